@@ -1,0 +1,181 @@
+"""Read a model's attention anatomy from its config, without loading any weights.
+
+The model is instantiated on the ``meta`` device, so the biases, norms and parameter counts come from
+the very modules transformers would build, not from a second copy of its rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from attnsurg.arch.families import OUTPUT_FAMILIES, SURGERY_FAMILIES
+
+BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class AttentionAnatomy:
+    """The attention of one checkpoint, as numbers and flags."""
+
+    model_type: str
+    family: str | None
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_kind: str
+    rope_type: str | None
+    rope_theta: float | None
+    q_bias: bool
+    k_bias: bool
+    v_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    sliding_layers: int
+    max_positions: int | None
+    tied_embeddings: bool
+    dtype: str
+    kv_values_per_layer: int
+    attention_parameters: int
+    total_parameters: int
+    mla: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kv_values_per_token(self) -> int:
+        return self.num_layers * self.kv_values_per_layer
+
+    def kv_bytes_per_token(self, dtype: str | None = None) -> int:
+        return self.kv_values_per_token * BYTES_PER_DTYPE[dtype or self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["kv_values_per_token"] = self.kv_values_per_token
+        record["kv_bytes_per_token"] = self.kv_bytes_per_token()
+        record["kv_bytes_per_token_bf16"] = self.kv_bytes_per_token("bfloat16")
+        return record
+
+
+def config_dtype(config: PretrainedConfig) -> str:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    return dtype if dtype in BYTES_PER_DTYPE else "float32"
+
+
+def rope_settings(config: PretrainedConfig) -> tuple[str | None, float | None]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params, dict) and "rope_type" not in params and params:
+        # Per-layer-type RoPE (e.g. {"full_attention": {...}}): report the first.
+        params = next(iter(params.values())) if isinstance(next(iter(params.values())), dict) else params
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    rope_type = params.get("rope_type", params.get("type", "default" if theta is not None else None))
+    return rope_type, (float(theta) if theta is not None else None)
+
+
+def sliding_attention(config: PretrainedConfig, num_layers: int) -> tuple[int | None, int]:
+    """The sliding window and how many layers use it."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None, 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window, sum(t == "sliding_attention" for t in layer_types)
+    if getattr(config, "use_sliding_window", True) is False:
+        return None, 0
+    return window, num_layers
+
+
+def meta_model(config: PretrainedConfig, trust_remote_code: bool = False) -> nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def first_attention(model: nn.Module) -> nn.Module:
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            return module
+    raise ValueError("no self_attn module found")
+
+
+def attention_parameters(model: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+    return total
+
+
+def _has_bias(attn: nn.Module, name: str) -> bool:
+    linear = getattr(attn, name, None)
+    return getattr(linear, "bias", None) is not None
+
+
+def mla_settings(config: PretrainedConfig) -> dict[str, int]:
+    keys = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    return {k: int(getattr(config, k)) for k in keys}
+
+
+def inspect_config(config: PretrainedConfig, trust_remote_code: bool = False) -> AttentionAnatomy:
+    """Build the anatomy of a causal LM from its config (no weights are read)."""
+    model = meta_model(config, trust_remote_code=trust_remote_code)
+    attn = first_attention(model)
+    num_layers = int(config.num_hidden_layers)
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    rope_type, rope_theta = rope_settings(config)
+    window, sliding_layers = sliding_attention(config, num_layers)
+    mla: dict[str, int] = {}
+    if getattr(config, "kv_lora_rank", None):
+        mla = mla_settings(config)
+        kind = "mla"
+        kv_values = mla["kv_lora_rank"] + mla["qk_rope_head_dim"]
+        head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        q_bias, k_bias, v_bias = False, _has_bias(attn, "kv_a_proj_with_mqa"), False
+    else:
+        kind = "mha" if num_kv_heads == num_heads else ("mqa" if num_kv_heads == 1 else "gqa")
+        kv_values = 2 * num_kv_heads * head_dim
+        q_bias, k_bias, v_bias = (_has_bias(attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    model_type = config.model_type
+    family = model_type if model_type in SURGERY_FAMILIES or model_type in OUTPUT_FAMILIES else None
+    return AttentionAnatomy(
+        model_type=model_type,
+        family=family,
+        num_layers=num_layers,
+        hidden_size=int(config.hidden_size),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        attention_kind=kind,
+        rope_type=rope_type,
+        rope_theta=rope_theta,
+        q_bias=q_bias,
+        k_bias=k_bias,
+        v_bias=v_bias,
+        o_bias=_has_bias(attn, "o_proj"),
+        qk_norm=any(hasattr(attn, n) for n in ("q_norm", "k_norm")),
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        max_positions=getattr(config, "max_position_embeddings", None),
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        dtype=config_dtype(config),
+        kv_values_per_layer=kv_values,
+        attention_parameters=attention_parameters(model),
+        total_parameters=count_parameters(model),
+        mla=mla,
+    )

@@ -1,0 +1,56 @@
+"""What attnsurg knows about each model family: small, data-like adapters.
+
+A family adapter names where the attention projections live. Everything numeric (head counts, RoPE,
+biases) is read from the config and the instantiated modules by :mod:`attnsurg.arch.anatomy`, so an
+adapter stays a few lines long.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnsurg.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family keeps its attention, and what it is called."""
+
+    model_type: str
+    label: str
+    layers_path: str = "model.layers"
+    attention_attr: str = "self_attn"
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+
+
+# Families whose attention attnsurg can operate on. SmolLM checkpoints are model_type "llama".
+SURGERY_FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("llama", "Llama / SmolLM"),
+        Family("mistral", "Mistral"),
+        Family("qwen2", "Qwen2"),
+    )
+}
+
+# Families attnsurg writes and can therefore read back and measure (never operate on again).
+OUTPUT_FAMILIES: dict[str, Family] = {
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3 (multi-head latent attention)"),
+}
+
+
+def supported_names() -> str:
+    return ", ".join(f"{f.label} ({f.model_type})" for f in SURGERY_FAMILIES.values())
+
+
+def family_for_surgery(model_type: str) -> Family:
+    """The adapter for a model that a surgery method will modify; a clear error otherwise."""
+    family = SURGERY_FAMILIES.get(model_type)
+    if family is None:
+        raise UserError(
+            f"model type '{model_type}' is not supported for attention surgery; supported: {supported_names()}"
+        )
+    return family

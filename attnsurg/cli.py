@@ -1,0 +1,278 @@
+"""The ``attnsurg`` command line: thin commands that build a typed request and call the library."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+import attnsurg
+from attnsurg import ui
+from attnsurg.errors import UserError
+
+app = typer.Typer(
+    help="Attention surgery for pretrained causal language models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+eval_app = typer.Typer(help="Measure models: perplexity and cost, side by side.", no_args_is_help=True)
+assets_app = typer.Typer(help="Built-in demo model and sample texts, fetched at run time.")
+app.add_typer(eval_app, name="eval")
+app.add_typer(assets_app, name="assets")
+
+out = Console()
+
+
+def user_errors(command):
+    """Turn a UserError (or an invalid request) into one red line and exit code 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except UserError as exc:
+            ui.console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            raise typer.Exit(UserError.exit_code)
+        except ValidationError as exc:
+            ui.console.print(f"[bold red]error:[/] {validation_message(exc)}", highlight=False)
+            raise typer.Exit(UserError.exit_code)
+
+    return wrapper
+
+
+def validation_message(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        out.print(f"attnsurg {attnsurg.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or status messages.")] = False,
+) -> None:
+    ui.set_quiet(quiet)
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """attnsurg shows its own progress; the libraries' tqdm bars and info logs would only add noise."""
+    import huggingface_hub.utils
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+
+
+TrustRemoteCode = Annotated[
+    bool, typer.Option("--trust-remote-code", help="Allow running modeling code shipped with the checkpoint.")
+]
+AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON record instead of a table.")]
+
+
+# ---------------------------------------------------------------------------------------------- info
+@app.command()
+@user_errors
+def info(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Print a model's attention anatomy and which attnsurg methods support it."""
+    from attnsurg.info import describe
+    from attnsurg.recipe import InfoRequest, ModelRef
+
+    request = InfoRequest(model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle))
+    record = describe(request)
+    if json_output:
+        print(json.dumps(record, indent=2))
+    else:
+        out.print(info_table(record))
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def info_table(record: dict) -> Table:
+    a = record["anatomy"]
+    table = Table(title=f"{record['model']}: attention anatomy", show_header=False, title_justify="left")
+    table.add_column("property", style="bold")
+    table.add_column("value")
+    rows = [
+        ("family (model_type)", f"{a['model_type']}" + ("" if a["family"] else "  [yellow](no surgery support)[/]")),
+        ("attention", a["attention_kind"].upper()),
+        ("layers", str(a["num_layers"])),
+        ("hidden size", str(a["hidden_size"])),
+        ("query heads", str(a["num_heads"])),
+        ("KV heads", str(a["num_kv_heads"])),
+        ("head dim", str(a["head_dim"])),
+    ]
+    if a["mla"]:
+        rows += [(k.replace("_", " "), str(v)) for k, v in a["mla"].items()]
+    rope = f"{a['rope_type']}, theta {a['rope_theta']:g}" if a["rope_theta"] is not None else "none"
+    biases = ", ".join(n for n in "qkvo" if a[f"{n}_bias"]) or "none"
+    window = f"{a['sliding_window']} tokens on {a['sliding_layers']} layers" if a["sliding_window"] else "none"
+    attn_share = a["attention_parameters"] / a["total_parameters"]
+    rows += [
+        ("RoPE", rope),
+        ("biases", biases),
+        ("q/k norms", _yes_no(a["qk_norm"])),
+        ("sliding window", window),
+        ("max positions", str(a["max_positions"])),
+        ("tied embeddings", _yes_no(a["tied_embeddings"])),
+        ("parameters (attention / total)", f"{a['attention_parameters']:,} / {a['total_parameters']:,} ({attn_share:.1%})"),
+        ("KV values per token", f"{a['kv_values_per_token']:,} ({a['kv_values_per_layer']} per layer)"),
+        (f"KV bytes per token ({a['dtype']})", f"{a['kv_bytes_per_token']:,}"),
+        ("KV bytes per token (bfloat16)", f"{a['kv_bytes_per_token_bf16']:,}"),
+        ("methods", methods_cell(record["methods"])),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def methods_cell(methods: dict[str, str | None]) -> str:
+    if not methods:
+        return "none installed"
+    return "\n".join(f"{n}: " + ("[green]yes[/]" if why is None else f"[yellow]no[/] ({why})") for n, why in methods.items())
+
+
+# ------------------------------------------------------------------------------------ eval perplexity
+@eval_app.command("perplexity")
+@user_errors
+def eval_perplexity(
+    models: Annotated[list[str], typer.Argument(help="One or more models; the first is the reference for ratios.")],
+    text: Annotated[Optional[Path], typer.Option("--text", help="A UTF-8 text file to evaluate on (used whole).")] = None,
+    dataset: Annotated[
+        Optional[str], typer.Option("--dataset", help="Built-in text: wiki-sample (default), c4-sample, wikitext2.")
+    ] = None,
+    max_length: Annotated[int, typer.Option("--max-length", help="Window length in tokens.")] = 1024,
+    stride: Annotated[
+        Optional[int], typer.Option("--stride", help="Window step; default = max-length (disjoint windows).")
+    ] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Use only the first N tokens.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")] = 1,
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Perplexity (token, word, bits per byte) and cost of one or more models on the same windows."""
+    from attnsurg.eval.perplexity import run_perplexity
+    from attnsurg.recipe import ModelRef, PerplexityEval, TextData
+
+    request = PerplexityEval(
+        models=[ModelRef(ref=m, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle) for m in models],
+        data=TextData(dataset=dataset, text=text, part="eval") if text else TextData(dataset=dataset or "wiki-sample"),
+        max_length=max_length,
+        stride=stride,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
+    report = run_perplexity(request)
+    if json_output:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    out.print(perplexity_table(report))
+    for note in report.notes:
+        out.print(f"[yellow]note:[/] {note}")
+
+
+def _optional(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def perplexity_table(report) -> Table:
+    where = f"{report.text} ({report.part})"
+    stride = "disjoint" if report.stride == report.max_length else f"stride {report.stride}"
+    title = f"Perplexity on {where}, windows of {report.max_length} tokens, {stride}"
+    table = Table(title=title, title_justify="left")
+    for column in ("model", "ppl", "ratio", "word ppl", "bits/byte", "tokens", "KV B/token", "params (attn)", "tok/s"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for r in report.results:
+        table.add_row(
+            f"{r.model}\n[dim]{r.model_type}, {r.dtype}, {r.device}[/]",
+            f"{r.ppl:.4f}",
+            f"{r.ratio:.4f}",
+            _optional(r.word_ppl, ".3f"),
+            _optional(r.bits_per_byte, ".4f"),
+            f"{r.tokens_scored:,}",
+            f"{r.kv_bytes_per_token:,}",
+            f"{r.parameters / 1e6:.1f}M ({r.attention_parameters / 1e6:.1f}M)",
+            f"{r.tokens_per_second:,.0f}",
+        )
+    return table
+
+
+# -------------------------------------------------------------------------------------------- assets
+@assets_app.callback(invoke_without_command=True)
+def assets_default(ctx: typer.Context) -> None:
+    """List the built-in assets and whether they are cached (same as `assets list`)."""
+    if ctx.invoked_subcommand is None:
+        assets_list()
+
+
+@assets_app.command("list")
+def assets_list(json_output: JsonFlag = False) -> None:
+    """List the built-in assets with their cache state."""
+    from attnsurg.io.assets import asset_table_rows, cache_dir
+
+    rows = asset_table_rows()
+    if json_output:
+        print(json.dumps({"cache_dir": str(cache_dir()), "assets": rows}, indent=2))
+        return
+    table = Table(title=f"Built-in assets (cache: {cache_dir()}, override with $ATTNSURG_CACHE)", title_justify="left")
+    for column in ("name", "kind", "description", "source", "cached"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(row[c] for c in ("name", "kind", "description", "source", "cached")))
+    out.print(table)
+
+
+@assets_app.command("fetch")
+@user_errors
+def assets_fetch(
+    names: Annotated[Optional[list[str]], typer.Argument(help="Assets to fetch; default all.")] = None,
+) -> None:
+    """Fetch built-in assets into the cache (verified by SHA-256)."""
+    from attnsurg.io.assets import ASSETS, ensure_demo_model, ensure_text
+
+    for name in names or list(ASSETS):
+        if name not in ASSETS:
+            raise UserError(f"unknown asset '{name}'; choose from {', '.join(ASSETS)}")
+        path = ensure_demo_model(name) if ASSETS[name].kind == "model" else ensure_text(name)
+        out.print(f"{name}: {path}")
+
+
+def main() -> None:
+    app(prog_name="attnsurg")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Perplexity of one or more models on the same token windows.
+
+Token perplexity is ``exp(sum NLL / scored tokens)``. When the raw text is known, word perplexity and
+bits per byte follow lm-eval's definitions over the text the scored tokens cover:
+``word_ppl = exp(NLL / words)``, ``byte_ppl = exp(NLL / bytes)``, ``bits_per_byte = NLL / (bytes ln 2)``.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import inspect
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, set_seed
+
+from attnsurg import ui
+from attnsurg.arch.anatomy import inspect_config
+from attnsurg.data import Text, load_text
+from attnsurg.errors import UserError
+from attnsurg.eval.windows import Window, count_words, plan_windows, scored_text
+from attnsurg.io.load import load_config, load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_source
+from attnsurg.recipe import ModelRef, PerplexityEval
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A tokenized text: ids, each token's end offset in characters (None without a fast tokenizer), and a
+    fingerprint of the ids, equal for two models exactly when they see the same tokens."""
+
+    ids: torch.Tensor
+    ends: list[int] | None
+    fingerprint: str
+
+
+@dataclass
+class Score:
+    nll: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    tokens_fed: int = 0
+
+
+@dataclass
+class ModelResult:
+    model: str
+    model_type: str
+    dtype: str
+    device: str
+    windows: int
+    tokens_scored: int
+    nll: float
+    ppl: float
+    word_ppl: float | None
+    byte_ppl: float | None
+    bits_per_byte: float | None
+    kv_values_per_token: int
+    kv_bytes_per_token: int
+    parameters: int
+    attention_parameters: int
+    seconds: float
+    tokens_per_second: float
+    tokens_fingerprint: str
+    ratio: float = 1.0
+
+
+@dataclass
+class PerplexityReport:
+    text: str
+    part: str
+    max_length: int
+    stride: int
+    max_tokens: int | None
+    results: list[ModelResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tokenize(tokenizer, text: str, max_tokens: int | None) -> Tokens:
+    """Tokenize without special tokens; keep character offsets when the tokenizer can give them."""
+    fast = getattr(tokenizer, "is_fast", False)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
+    ids = encoded["input_ids"][:max_tokens] if max_tokens else encoded["input_ids"]
+    ends = [end for _, end in encoded["offset_mapping"][: len(ids)]] if fast else None
+    ids = torch.tensor(ids, dtype=torch.long)
+    return Tokens(ids, ends, hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:12])
+
+
+def accepts_logits_to_keep(model: PreTrainedModel) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def batches(windows: list[Window], batch_size: int) -> list[list[Window]]:
+    """Group windows of equal length into batches, keeping their order."""
+    groups: list[list[Window]] = []
+    for w in windows:
+        if groups and len(groups[-1]) < batch_size and groups[-1][0].length == w.length:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    return groups
+
+
+@torch.inference_mode()
+def score_batch(model: PreTrainedModel, ids: torch.Tensor, batch: list[Window], device: torch.device) -> float:
+    """Summed NLL (float64) of the scored tokens of equally long windows."""
+    length = batch[0].length
+    inputs = torch.stack([ids[w.begin : w.end] for w in batch]).to(device)
+    # Logits at position p predict token p+1: scoring [score_from, end) needs logits from score_from-1.
+    first_logit = min(w.score_from - w.begin - 1 for w in batch)
+    kwargs = {"logits_to_keep": length - first_logit} if accepts_logits_to_keep(model) else {}
+    logits = model(input_ids=inputs, use_cache=False, **kwargs).logits
+    offset = length - logits.shape[1]
+    total = 0.0
+    for row, w in enumerate(batch):
+        start = w.score_from - w.begin - 1 - offset
+        predicted = logits[row, start : length - 1 - offset].float()
+        targets = inputs[row, w.score_from - w.begin : length]
+        total += F.cross_entropy(predicted, targets, reduction="sum").double().item()
+    return total
+
+
+def score_windows(
+    model: PreTrainedModel, ids: torch.Tensor, windows: list[Window], batch_size: int, device: torch.device, label: str
+) -> Score:
+    score = Score()
+    groups = batches(windows, batch_size)
+    with ui.progress_bar(f"Scoring {label}", total=len(windows), unit="windows") as advance:
+        for batch in groups:
+            start = time.perf_counter()
+            score.nll += score_batch(model, ids, batch, device)
+            score.seconds += time.perf_counter() - start
+            score.tokens += sum(w.scored for w in batch)
+            score.tokens_fed += sum(w.length for w in batch)
+            advance(len(batch), note=f"ppl {math.exp(score.nll / score.tokens):.3f}")
+    return score
+
+
+def text_measures(text: str, tokens: Tokens, windows: list[Window], nll: float) -> dict[str, float | None]:
+    if tokens.ends is None:
+        return {"word_ppl": None, "byte_ppl": None, "bits_per_byte": None}
+    covered = scored_text(text, tokens.ends, windows)
+    words, num_bytes = count_words(covered), len(covered.encode("utf-8"))
+    return {
+        "word_ppl": math.exp(nll / words) if words else None,
+        "byte_ppl": math.exp(nll / num_bytes) if num_bytes else None,
+        "bits_per_byte": nll / (num_bytes * math.log(2)) if num_bytes else None,
+    }
+
+
+def check_window_fits(request: PerplexityEval, config, ref: str) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and request.max_length > limit:
+        raise UserError(f"--max-length {request.max_length} is longer than '{ref}' supports ({limit} positions)")
+
+
+def plan_for(request: PerplexityEval, tokens: Tokens, text: Text) -> list[Window]:
+    if len(tokens.ids) < request.max_length:
+        raise UserError(
+            f"the text '{text.name}' has {len(tokens.ids)} tokens, shorter than one window "
+            f"({request.max_length}); use a longer text or a smaller --max-length"
+        )
+    return plan_windows(len(tokens.ids), request.max_length, request.effective_stride)
+
+
+def evaluate_model(model_ref: ModelRef, request: PerplexityEval, text: Text) -> ModelResult:
+    source = resolve_source(model_ref.ref, model_ref.allow_pickle, model_ref.trust_remote_code)
+    config = load_config(source, model_ref.trust_remote_code)
+    check_window_fits(request, config, model_ref.ref)
+    device = resolve_device(request.device)
+    dtype = resolve_dtype(request.dtype, device, config)
+    tokenizer = load_tokenizer(source, model_ref.trust_remote_code)
+    tokens = tokenize(tokenizer, text.text, request.max_tokens)
+    windows = plan_for(request, tokens, text)
+    with ui.status(f"Loading {model_ref.ref}..."):
+        model = load_model(source, dtype, device, model_ref.trust_remote_code, model_ref.allow_pickle)
+    anatomy = inspect_config(model.config, model_ref.trust_remote_code)
+    dtype_name = str(dtype).removeprefix("torch.")
+    score = score_windows(model, tokens.ids, windows, request.batch_size, device, model_ref.ref)
+    del model
+    gc.collect()
+    return ModelResult(
+        model=model_ref.ref,
+        model_type=anatomy.model_type,
+        dtype=dtype_name,
+        device=str(device),
+        windows=len(windows),
+        tokens_scored=score.tokens,
+        nll=score.nll,
+        ppl=math.exp(score.nll / score.tokens),
+        **text_measures(text.text, tokens, windows, score.nll),
+        kv_values_per_token=anatomy.kv_values_per_token,
+        kv_bytes_per_token=anatomy.kv_bytes_per_token(dtype_name),
+        parameters=anatomy.total_parameters,
+        attention_parameters=anatomy.attention_parameters,
+        seconds=score.seconds,
+        tokens_per_second=score.tokens_fed / score.seconds if score.seconds else float("nan"),
+        tokens_fingerprint=tokens.fingerprint,
+    )
+
+
+def run_perplexity(request: PerplexityEval) -> PerplexityReport:
+    """Evaluate every model of the request on the same text and windows, one model in memory at a time."""
+    set_seed(request.seed)
+    text = load_text(request.data.dataset, request.data.text, request.data.part)
+    report = PerplexityReport(
+        text=text.name,
+        part=text.part,
+        max_length=request.max_length,
+        stride=request.effective_stride,
+        max_tokens=request.max_tokens,
+    )
+    for model_ref in request.models:
+        report.results.append(evaluate_model(model_ref, request, text))
+    baseline = report.results[0]
+    for result in report.results:
+        result.ratio = result.ppl / baseline.ppl
+    if len({r.tokens_fingerprint for r in report.results}) > 1:
+        report.notes.append("models saw different tokens (different tokenizers): compare bits per byte, not token ppl")
+    return report

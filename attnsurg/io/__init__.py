@@ -1,0 +1,1 @@
+"""Loading checkpoints, fetching built-in assets, writing checkpoints."""

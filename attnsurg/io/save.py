@@ -1,0 +1,68 @@
+"""The checkpoint writer every command uses.
+
+Weights go out as sharded safetensors with an index (transformers' ``save_pretrained``, which splits
+with huggingface_hub), beside the config, generation config, tokenizer files, a model card and any extra
+files (such as the recipe). Everything is written into a temporary directory beside the target and
+renamed into place at the end, so a crash never leaves a half-written checkpoint at the target path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from attnsurg.errors import UserError
+from attnsurg.io.card import CardInfo, render_card
+
+
+def check_output_path(out: Path, overwrite: bool) -> None:
+    """Refuse an existing target unless ``overwrite``; call it before any long work starts."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output path '{out}' exists and is a file; choose a directory path")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"output directory '{out}' already exists; pass --overwrite to replace it")
+
+
+def write_checkpoint(
+    model: PreTrainedModel,
+    tokenizer,
+    out: Path,
+    card: CardInfo,
+    overwrite: bool = False,
+    max_shard_size: str | int = "2GB",
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """Write a complete checkpoint at ``out`` atomically; returns ``out``."""
+    out = Path(out)
+    check_output_path(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        for name, content in (extra_files or {}).items():
+            (staging / name).write_text(content, encoding="utf-8")
+        render_card(card).save(staging / "README.md")
+        replace_directory(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def replace_directory(staging: Path, out: Path) -> None:
+    """Move ``staging`` to ``out``; an existing ``out`` is set aside first and removed only after."""
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    retired = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+    os.replace(out, retired / out.name)
+    os.replace(staging, out)
+    shutil.rmtree(retired, ignore_errors=True)

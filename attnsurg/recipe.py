@@ -1,0 +1,72 @@
+"""Typed requests: every command builds one of these, and a YAML recipe can build the same objects.
+
+Method code receives these objects (or plain values taken from them) and never reads CLI state.
+Unknown keys are rejected so a typo in a recipe is an error, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(Strict):
+    """A model to load: a local directory, a .gguf file, a hub id or a built-in name."""
+
+    ref: str
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+
+
+class TextData(Strict):
+    """Text to read: a built-in dataset or a UTF-8 file, and which part of it."""
+
+    dataset: str | None = None
+    text: Path | None = None
+    part: Literal["eval", "calib"] = "eval"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TextData:
+        if self.dataset and self.text:
+            raise ValueError("give either dataset or text, not both")
+        return self
+
+
+class PerplexityEval(Strict):
+    """``attnsurg eval perplexity``: the same windows for every model, scored in one run."""
+
+    models: list[ModelRef] = Field(min_length=1)
+    data: TextData = TextData(dataset="wiki-sample")
+    max_length: int = Field(1024, gt=1)
+    stride: int | None = Field(None, gt=0)
+    max_tokens: int | None = Field(None, gt=1)
+    batch_size: int = Field(1, gt=0)
+    dtype: DType = "auto"
+    device: str = "auto"
+    seed: int = 0
+
+    @property
+    def effective_stride(self) -> int:
+        return self.stride or self.max_length
+
+    @model_validator(mode="after")
+    def _stride_within_window(self) -> PerplexityEval:
+        if self.stride is not None and self.stride > self.max_length:
+            raise ValueError(f"stride ({self.stride}) must not exceed max_length ({self.max_length})")
+        if self.max_tokens is not None and self.max_tokens < self.max_length:
+            raise ValueError(f"max_tokens ({self.max_tokens}) is smaller than one window ({self.max_length})")
+        return self
+
+
+class InfoRequest(Strict):
+    """``attnsurg info``: the attention anatomy of one model, read from its config."""
+
+    model: ModelRef

@@ -1,0 +1,127 @@
+"""Shared fixtures: tiny random Llama / Mistral / Qwen2 checkpoints with a real byte-level BPE tokenizer.
+
+Nothing here downloads anything; tests that need the real demo assets use the ``demo_model`` and
+``wiki_text`` fixtures, which skip with the reason when the fetch is impossible.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from attnsurg.errors import UserError
+
+CORPUS = (Path(__file__).parent / "data" / "corpus.txt").read_text(encoding="utf-8")
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+
+def train_tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
+    tokenizer.train_from_iterator([CORPUS], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return train_tokenizer()
+
+
+def tiny_config(family: str, vocab_size: int, **overrides):
+    settings = {**TINY, "vocab_size": vocab_size, "eos_token_id": 0, "tie_word_embeddings": False, **overrides}
+    if family == "llama":
+        return LlamaConfig(**settings)
+    if family == "mistral":
+        return MistralConfig(sliding_window=None, **settings)
+    if family == "qwen2":
+        return Qwen2Config(**settings)
+    raise ValueError(family)
+
+
+def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config = tiny_config(family, vocab_size, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random weights large enough that attention is far from uniform
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+TINY_VARIANTS = {
+    "llama-gqa": ("llama", {"num_key_value_heads": 2}),
+    "llama-mha": ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "mistral": ("mistral", {"num_key_value_heads": 2}),
+    "qwen2": ("qwen2", {"num_key_value_heads": 2}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """Each tiny variant saved as a safetensors checkpoint directory with its tokenizer."""
+    root = tmp_path_factory.mktemp("tiny")
+    paths = {}
+    for name, (family, overrides) in TINY_VARIANTS.items():
+        model = build_tiny(family, len(tokenizer), **overrides)
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths[name] = root / name
+    return paths
+
+
+@pytest.fixture(params=sorted(TINY_VARIANTS))
+def tiny_checkpoint(request, tiny_checkpoints) -> Path:
+    return tiny_checkpoints[request.param]
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text(CORPUS, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """The real demo model; skips with the reason when it cannot be fetched."""
+    from attnsurg.io.assets import ensure_demo_model
+
+    try:
+        return ensure_demo_model()
+    except UserError as exc:
+        pytest.skip(f"demo model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def wiki_text() -> Path:
+    from attnsurg.io.assets import ensure_text
+
+    try:
+        return ensure_text("wiki-sample")
+    except UserError as exc:
+        pytest.skip(f"wiki-sample unavailable: {exc}")

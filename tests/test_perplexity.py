@@ -1,0 +1,74 @@
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from attnsurg.eval.perplexity import run_perplexity, score_windows, tokenize
+from attnsurg.eval.windows import plan_windows
+from attnsurg.recipe import ModelRef, PerplexityEval, TextData
+
+
+def straightforward_nll(model, ids: torch.Tensor, max_length: int, stride: int) -> tuple[float, int]:
+    """The Hugging Face guide's loop, written independently: labels masked with -100, mean loss x count."""
+    total, count, previous_end = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + max_length, len(ids))
+        inputs = ids[begin:end][None]
+        labels = inputs.clone()
+        labels[:, : max(previous_end - begin, 0)] = -100
+        scored = int((labels[:, 1:] != -100).sum())
+        if scored:
+            with torch.no_grad():
+                loss = model(input_ids=inputs, labels=labels).loss
+            total += loss.double().item() * scored
+            count += scored
+        previous_end = end
+        if end == len(ids):
+            break
+    return total, count
+
+
+@pytest.mark.parametrize("max_length,stride,batch_size", [(64, 64, 1), (64, 64, 3), (64, 24, 1), (50, 17, 2)])
+def test_perplexity_matches_straightforward_computation(tiny_checkpoint, corpus_file, max_length, stride, batch_size):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tokens = tokenize(tokenizer, corpus_file.read_text(), max_tokens=400)
+    windows = plan_windows(len(tokens.ids), max_length, stride)
+    score = score_windows(model, tokens.ids, windows, batch_size, torch.device("cpu"), "tiny")
+    expected_nll, expected_count = straightforward_nll(model, tokens.ids, max_length, stride)
+    assert score.tokens == expected_count
+    assert score.nll == pytest.approx(expected_nll, rel=1e-5)
+
+
+def test_report_compares_models_on_the_same_windows(tiny_checkpoints, corpus_file):
+    request = PerplexityEval(
+        models=[ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), ModelRef(ref=str(tiny_checkpoints["qwen2"]))],
+        data=TextData(text=corpus_file),
+        max_length=128,
+        max_tokens=512,
+        device="cpu",
+    )
+    report = run_perplexity(request)
+    first, second = report.results
+    assert first.tokens_scored == second.tokens_scored == 4 * 127
+    assert first.ratio == 1.0 and second.ratio == pytest.approx(second.ppl / first.ppl)
+    assert first.ppl == pytest.approx(math.exp(first.nll / first.tokens_scored))
+    assert first.bits_per_byte == pytest.approx(math.log2(first.byte_ppl))
+    assert first.word_ppl > first.ppl  # words are longer than tokens here
+    assert first.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x (k, v) x KV heads x head dim x fp32
+    assert report.notes == []
+
+
+def test_bits_per_byte_counts_the_bytes_of_scored_text(tiny_checkpoints, tmp_path):
+    text = "naïve café " * 200
+    path = tmp_path / "t.txt"
+    path.write_text(text, encoding="utf-8")
+    request = PerplexityEval(
+        models=[ModelRef(ref=str(tiny_checkpoints["llama-gqa"]))], data=TextData(text=path), max_length=64, stride=16, device="cpu"
+    )
+    result = run_perplexity(request).results[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["llama-gqa"])
+    first_token = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:1])
+    scored_bytes = len(text.encode()) - len(first_token.encode())  # sliding windows score all but the first token
+    assert result.bits_per_byte == pytest.approx(result.nll / (scored_bytes * math.log(2)), rel=1e-9)

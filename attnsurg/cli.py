@@ -28,7 +28,8 @@ assets_app = typer.Typer(help="Built-in demo model and sample texts, fetched at 
 app.add_typer(eval_app, name="eval")
 app.add_typer(assets_app, name="assets")
 
-out = Console()
+# Tables go to stdout; piped output keeps full rows instead of rich's 80-column default.
+out = Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def user_errors(command):
@@ -39,10 +40,10 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except UserError as exc:
-            ui.console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            ui.console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(UserError.exit_code)
         except ValidationError as exc:
-            ui.console.print(f"[bold red]error:[/] {validation_message(exc)}", highlight=False)
+            ui.console.print(f"[bold red]error:[/] {validation_message(exc)}", highlight=False, soft_wrap=True)
             raise typer.Exit(UserError.exit_code)
 
     return wrapper

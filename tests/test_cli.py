@@ -1,0 +1,128 @@
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import attnsurg
+from attnsurg.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, *fragments: str) -> None:
+    """Exit code 2, one error line naming the problem (after any progress messages), no traceback."""
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and attnsurg.__version__ in result.stdout
+
+
+def test_python_dash_m_works():
+    result = subprocess.run([sys.executable, "-m", "attnsurg", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and "attnsurg" in result.stdout
+
+
+def test_info_table_and_json(tiny_checkpoints):
+    path = tiny_checkpoints["qwen2"]
+    table = invoke("info", path)
+    assert table.exit_code == 0
+    for fragment in ("qwen2", "GQA", "q, k, v", "KV bytes per token (float32)", "512"):
+        assert fragment in table.stdout
+    record = json.loads(invoke("info", path, "--json").stdout)
+    assert record["anatomy"]["num_kv_heads"] == 2 and record["anatomy"]["kv_bytes_per_token"] == 512
+
+
+def test_eval_two_models_table_and_json(tiny_checkpoints, corpus_file):
+    a, b = tiny_checkpoints["llama-gqa"], tiny_checkpoints["mistral"]
+    args = ["eval", "perplexity", a, b, "--text", corpus_file, "--max-length", "128", "--max-tokens", "512", "--device", "cpu"]
+    table = invoke(*args)
+    assert table.exit_code == 0, table.output
+    assert "disjoint" in table.stdout and "1.0000" in table.stdout
+    record = json.loads(invoke(*args, "--json").stdout)
+    assert [r["tokens_scored"] for r in record["results"]] == [508, 508]
+    assert record["results"][0]["ratio"] == 1.0
+    strided = json.loads(invoke(*args, "--stride", "64", "--json").stdout)
+    assert strided["stride"] == 64 and strided["results"][0]["tokens_scored"] == 511
+
+
+def test_assets_listing(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
+    result = invoke("assets")
+    assert result.exit_code == 0 and "smollm2-135m" in result.stdout and "not fetched" in result.stdout
+    record = json.loads(invoke("assets", "list", "--json").stdout)
+    assert record["cache_dir"] == str(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_missing_path():
+    assert_user_error(invoke("info", "./does/not/exist"), "does not exist")
+
+
+def test_directory_that_is_not_a_checkpoint(tmp_path):
+    assert_user_error(invoke("eval", "perplexity", tmp_path), "not a checkpoint directory")
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import T5Config
+
+    T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=32).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert_user_error(invoke("info", tmp_path), "not a causal language model", "Qwen2 (qwen2)")
+
+
+def test_pickle_without_allow_pickle(tmp_path, tiny_checkpoints):
+    shutil.copy(tiny_checkpoints["llama-gqa"] / "config.json", tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    assert_user_error(invoke("info", tmp_path), "--allow-pickle")
+
+
+def test_remote_code_without_flag(tmp_path, tiny_checkpoints):
+    config = json.loads((tiny_checkpoints["llama-gqa"] / "config.json").read_text())
+    config.update(model_type="custom_llm", auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert_user_error(invoke("info", tmp_path), "--trust-remote-code")
+
+
+@pytest.mark.parametrize(
+    "content,fragment", [(b"", "is empty"), (b"caf\xe9 au lait", "not UTF-8"), (b"just a few words", "shorter than one window")]
+)
+def test_bad_text_files(tmp_path, tiny_checkpoints, content, fragment):
+    path = tmp_path / "t.txt"
+    path.write_bytes(content)
+    result = invoke("eval", "perplexity", tiny_checkpoints["llama-gqa"], "--text", path, "--max-length", "64")
+    assert_user_error(result, fragment)
+
+
+def test_window_longer_than_max_positions(tiny_checkpoints, corpus_file):
+    result = invoke("eval", "perplexity", tiny_checkpoints["llama-gqa"], "--text", corpus_file, "--max-length", "512")
+    assert_user_error(result, "--max-length 512", "256 positions")
+
+
+def test_invalid_request_values(tiny_checkpoints, corpus_file):
+    model = tiny_checkpoints["llama-gqa"]
+    assert_user_error(invoke("eval", "perplexity", model, "--text", corpus_file, "--max-length", "64", "--stride", "65"), "stride")
+    assert_user_error(invoke("eval", "perplexity", model, "--text", corpus_file, "--max-length", "64", "--max-tokens", "10"), "max_tokens")
+    assert_user_error(invoke("eval", "perplexity", model, "--text", corpus_file, "--batch-size", "0"), "batch_size")
+    assert_user_error(invoke("eval", "perplexity", model, "--text", corpus_file, "--dtype", "int4"), "dtype: Input should be")
+
+
+def test_asset_fetch_impossible(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: network is unreachable"))
+    assert_user_error(invoke("assets", "fetch", "c4-sample"), "by hand", str(tmp_path / "downloads"))
+    assert_user_error(invoke("assets", "fetch", "imagenet"), "unknown asset")

@@ -1,0 +1,97 @@
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from attnsurg.errors import UserError
+from attnsurg.io.load import load_config, load_model, resolve_device, resolve_dtype, resolve_source
+
+
+def test_local_directory_loads_and_matches(tiny_checkpoints):
+    source = resolve_source(str(tiny_checkpoints["qwen2"]))
+    assert source.kind == "dir"
+    model = load_model(source)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen2"])
+    ids = torch.arange(10)[None]
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+
+
+def test_sharded_checkpoint_loads(tiny_checkpoints, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    loaded = load_model(resolve_source(str(tmp_path / "sharded")))
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_missing_path():
+    with pytest.raises(UserError, match="does not exist"):
+        resolve_source("./no/such/model")
+
+
+def test_directory_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="not a checkpoint directory"):
+        resolve_source(str(tmp_path))
+
+
+def test_plain_file_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "weights.safetensors").write_bytes(b"x")
+    with pytest.raises(UserError, match="is a file, not a checkpoint"):
+        resolve_source(str(tmp_path / "weights.safetensors"))
+
+
+def test_unknown_name_lists_builtins():
+    with pytest.raises(UserError, match="smollm2-135m"):
+        resolve_source("no such model!")
+
+
+def _pickle_checkpoint(tiny_checkpoints, tmp_path):
+    target = tmp_path / "pickled"
+    target.mkdir()
+    shutil.copy(tiny_checkpoints["llama-gqa"] / "config.json", target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
+    torch.save(model.state_dict(), target / "pytorch_model.bin")
+    return target
+
+
+def test_pickle_weights_refused_without_allow_pickle(tiny_checkpoints, tmp_path):
+    target = _pickle_checkpoint(tiny_checkpoints, tmp_path)
+    with pytest.raises(UserError, match="--allow-pickle"):
+        resolve_source(str(target))
+    source = resolve_source(str(target), allow_pickle=True)
+    model = load_model(source, allow_pickle=True)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
+    torch.testing.assert_close(model.lm_head.weight, reference.lm_head.weight)
+
+
+def test_remote_code_checkpoint_needs_the_flag(tiny_checkpoints, tmp_path):
+    target = tmp_path / "remote"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(model_type="my_custom_llm", auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="--trust-remote-code"):
+        resolve_source(str(target))
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    from transformers import T5Config
+
+    T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=32).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    source = resolve_source(str(tmp_path))
+    with pytest.raises(UserError, match=r"not a causal language model.*Llama"):
+        load_config(source)
+
+
+def test_device_and_dtype_resolution():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(UserError, match="unknown dtype"):
+        resolve_dtype("int3", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA GPU"):
+            resolve_device("cuda")

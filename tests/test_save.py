@@ -1,0 +1,82 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from attnsurg.errors import UserError
+from attnsurg.io.card import CardInfo
+from attnsurg.io.save import check_output_path, write_checkpoint
+
+CARD = CardInfo(
+    title="tiny test",
+    summary="A tiny model written by the test suite.",
+    command="attnsurg something --flag",
+    recipe_yaml="model: tiny\n",
+    figures=[{"metric": "ppl", "before": "10.0", "after": "11.0"}],
+)
+
+
+@pytest.fixture
+def tiny(tiny_checkpoints):
+    path = tiny_checkpoints["qwen2"]
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def test_sharded_checkpoint_with_card_reloads_identically(tiny, tmp_path):
+    model, tokenizer = tiny
+    out = write_checkpoint(model, tokenizer, tmp_path / "out", CARD, max_shard_size="60KB", extra_files={"attnsurg_recipe.yaml": "a: 1\n"})
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "README.md", "attnsurg_recipe.yaml"} <= names
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    card = (out / "README.md").read_text()
+    for expected in ("attnsurg something --flag", "| ppl | 10.0 | 11.0 |", "transformers", "model: tiny"):
+        assert expected in card
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.arange(12)[None]
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging directory left behind
+
+
+def test_existing_output_is_refused_without_overwrite(tiny, tmp_path):
+    model, tokenizer = tiny
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="--overwrite"):
+        write_checkpoint(model, tokenizer, out, CARD)
+    assert (out / "keep.txt").read_text() == "mine"
+    write_checkpoint(model, tokenizer, out, CARD, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_output_path_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        check_output_path(tmp_path / "f", overwrite=True)
+
+
+def test_crash_while_writing_leaves_nothing_at_the_target(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    out = tmp_path / "out"
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tokenizer, "save_pretrained", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_checkpoint(model, tokenizer, out, CARD)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_crash_during_overwrite_keeps_the_old_checkpoint(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    out = write_checkpoint(model, tokenizer, tmp_path / "out", CARD)
+    before = sorted(p.name for p in out.iterdir())
+    monkeypatch.setattr(tokenizer, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError):
+        write_checkpoint(model, tokenizer, out, CARD, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -231,6 +231,73 @@ def perplexity_table(report) -> Table:
     return table
 
 
+# ------------------------------------------------------------------------------------------ convert
+@app.command()
+@user_errors
+def convert(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
+    to: Annotated[str, typer.Option("--to", help="Target attention: mla.")] = "mla",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
+    kv_budget: Annotated[
+        Optional[float], typer.Option("--kv-budget", help="Fraction of the original KV cache per token (default 0.5).")
+    ] = None,
+    kv_rank: Annotated[Optional[int], typer.Option("--kv-rank", help="Latent rank (instead of --kv-budget).")] = None,
+    rope_dim: Annotated[Optional[int], typer.Option("--rope-dim", help="Dims of the shared RoPE key (even, <= head dim).")] = None,
+    calib_dataset: Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")] = "wiki-sample",
+    calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")] = None,
+    calib_tokens: Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")] = 4096,
+    unweighted: Annotated[bool, typer.Option("--unweighted", help="Plain PCA for the latent (no consumer weighting).")] = False,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")] = 2048,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Convert attention to another form and write a new checkpoint (GQA/MHA -> MLA)."""
+    from attnsurg.convert import plan_rows, run_convert
+    from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
+
+    if to != "mla":
+        raise UserError(f"--to {to} is not supported; available: mla")
+    if output is None and not dry_run:
+        raise UserError("missing --output/-o: the directory to write the converted checkpoint to")
+    calibration_data = TextData(text=calib_text, part="calib") if calib_text else TextData(dataset=calib_dataset, part="calib")
+    request = ConvertMLA(
+        model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
+        output=output or Path("."),
+        kv_budget=kv_budget,
+        kv_rank=kv_rank,
+        rope_dim=rope_dim,
+        weighted=not unweighted,
+        calibration=Calibration(data=calibration_data, tokens=calib_tokens),
+        eval_tokens=eval_tokens,
+        overwrite=overwrite,
+        seed=seed,
+    )
+    report = run_convert(request, dry_run=dry_run)
+    rows = plan_rows(report.plan, report.anatomy)
+    if json_output:
+        record = {"plan": rows, "written": report.written, "seconds": report.seconds,
+                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after}
+        print(json.dumps(record, indent=2))
+        return
+    table = Table(title=f"MLA plan for {model} (identical in every layer)", title_justify="left")
+    for column in ("layers", "latent rank", "RoPE dims", "qk nope dim", "KV values/token", "attention params/layer"):
+        table.add_column(column, justify="right")
+    r = rows[0]
+    table.add_row(
+        f"0-{len(rows) - 1}", f"{r['latent_rank']} + 1 norm", str(r["rope_dims"]), str(r["qk_nope_dim"]),
+        f"{r['kv_values_before']} -> {r['kv_values_after']}", f"{r['attention_params_before']:,} -> {r['attention_params_after']:,}",
+    )
+    out.print(table)
+    if report.written:
+        out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
+    if report.ppl_before is not None:
+        out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
+
+
 # -------------------------------------------------------------------------------------------- assets
 @assets_app.callback(invoke_without_command=True)
 def assets_default(ctx: typer.Context) -> None:

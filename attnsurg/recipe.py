@@ -70,3 +70,26 @@ class InfoRequest(Strict):
     """``attnsurg info``: the attention anatomy of one model, read from its config."""
 
     model: ModelRef
+
+
+class Calibration(Strict):
+    """Calibration text (always its calibration part) and how much of it to use."""
+
+    data: TextData = TextData(dataset="wiki-sample", part="calib")
+    tokens: int = Field(4096, gt=0)
+    seq_len: int = Field(512, gt=1)
+
+
+class ConvertMLA(Strict):
+    """``attnsurg convert MODEL --to mla``: GQA/MHA to a DeepseekV3 (latent attention) checkpoint."""
+
+    model: ModelRef
+    output: Path
+    kv_budget: float | None = None
+    kv_rank: int | None = None
+    rope_dim: int | None = None
+    weighted: bool = True
+    calibration: Calibration = Calibration()
+    eval_tokens: int = Field(2048, ge=0)
+    overwrite: bool = False
+    seed: int = 0

@@ -25,7 +25,7 @@ from attnsurg.data import Text, load_text
 from attnsurg.errors import UserError
 from attnsurg.eval.windows import Window, count_words, plan_windows, scored_text
 from attnsurg.io.load import load_config, load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_source
-from attnsurg.recipe import ModelRef, PerplexityEval
+from attnsurg.recipe import ModelRef, PerplexityEval, TextData
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,17 @@ def evaluate_model(model_ref: ModelRef, request: PerplexityEval, text: Text) -> 
         tokens_per_second=score.tokens_fed / score.seconds if score.seconds else float("nan"),
         tokens_fingerprint=tokens.fingerprint,
     )
+
+
+def perplexity_of(model: PreTrainedModel, tokenizer, data: TextData, max_length: int, max_tokens: int) -> float:
+    """Token perplexity of an in-memory model on disjoint windows of ``data`` (used before/after surgery)."""
+    text = load_text(data.dataset, data.text, data.part)
+    tokens = tokenize(tokenizer, text.text, max_tokens)
+    request = PerplexityEval(models=[ModelRef(ref="in-memory")], data=data, max_length=max_length, max_tokens=max_tokens)
+    windows = plan_for(request, tokens, text)
+    device = next(model.parameters()).device
+    score = score_windows(model, tokens.ids, windows, 1, device, "in-memory model")
+    return math.exp(score.nll / score.tokens)
 
 
 def run_perplexity(request: PerplexityEval) -> PerplexityReport:

@@ -1,0 +1,69 @@
+"""Calibration: statistics of what attention sees, captured with hooks over calibration text.
+
+Everything is accumulated in float64 on the CPU whatever the model dtype. Inputs are *augmented* with a
+constant 1 (x~ = [x; 1]), so a single second moment E[x~ x~^T] also carries the mean, and any affine map
+W x + b has output second moment [W b] E[x~ x~^T] [W b]^T: biases need no special case anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnsurg import ui
+from attnsurg.arch.families import Family
+from attnsurg.data import load_text
+from attnsurg.errors import UserError
+from attnsurg.recipe import TextData
+
+
+def calibration_windows(tokenizer, data: TextData, num_tokens: int, seq_len: int) -> torch.Tensor:
+    """``[n, seq_len]`` token windows from the calibration part of the data (never its evaluation part)."""
+    text = load_text(data.dataset, data.text, "calib")
+    ids = tokenizer(text.text, add_special_tokens=False)["input_ids"][:num_tokens]
+    n = len(ids) // seq_len
+    if n == 0:
+        raise UserError(
+            f"calibration text '{text.name}' has {len(ids)} tokens, fewer than one window of {seq_len}"
+        )
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def augment(x: torch.Tensor) -> torch.Tensor:
+    """Rows of x with a constant 1 appended, in float64."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
+
+
+def attention_layers(model: nn.Module, family: Family) -> list[nn.Module]:
+    layers = model.get_submodule(family.layers_path)
+    return [getattr(layer, family.attention_attr) for layer in layers]
+
+
+@torch.inference_mode()
+def attention_input_moments(model: nn.Module, family: Family, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, E[x~ x~^T] ((D+1) x (D+1), float64) of the attention input (after the input norm)."""
+    attentions = attention_layers(model, family)
+    sums = [None] * len(attentions)
+    count = 0
+
+    def capture(index: int):
+        def hook(module, args, kwargs):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            xa = augment(x).cpu()
+            sums[index] = xa.T @ xa if sums[index] is None else sums[index] + xa.T @ xa
+
+        return hook
+
+    handles = [a.register_forward_pre_hook(capture(i), with_kwargs=True) for i, a in enumerate(attentions)]
+    device = next(model.parameters()).device
+    try:
+        with ui.progress_bar("Calibrating", total=len(windows), unit="windows") as advance:
+            for window in windows:
+                model(input_ids=window[None].to(device), use_cache=False)
+                count += window.numel()
+                advance()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [s / count for s in sums]

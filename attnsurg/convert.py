@@ -1,0 +1,134 @@
+"""``attnsurg convert``: load -> plan -> calibrate -> fit -> evaluate -> write, for MLA."""
+
+from __future__ import annotations
+
+import resource
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import yaml
+from transformers import set_seed
+
+from attnsurg import ui
+from attnsurg.arch.anatomy import AttentionAnatomy, inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_input_moments, calibration_windows
+from attnsurg.eval.perplexity import perplexity_of
+from attnsurg.io.card import CardInfo
+from attnsurg.io.load import load_config, load_model, load_tokenizer, resolve_source
+from attnsurg.io.save import check_output_path, write_checkpoint
+from attnsurg.methods.mla import MLAPlan, convert, plan_mla
+from attnsurg.recipe import ConvertMLA, TextData
+
+
+@dataclass
+class ConvertReport:
+    plan: MLAPlan
+    anatomy: AttentionAnatomy
+    written: str | None = None
+    seconds: float = 0.0
+    peak_memory_gb: float = 0.0
+    ppl_before: float | None = None
+    ppl_after: float | None = None
+    figures: dict = field(default_factory=dict)
+
+
+def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
+    """Per layer (identical in every layer): the dry-run plan."""
+    d, H, D = plan.head_dim, plan.num_heads, anatomy.hidden_size
+    before = anatomy.attention_parameters // anatomy.num_layers
+    after = H * (plan.qk_nope_dim + plan.rope_dim) * D + (plan.kv_rank + 1 + plan.rope_dim) * (D + 1)
+    after += (plan.kv_rank + 1) + H * (plan.qk_nope_dim + d) * (plan.kv_rank + 1) + D * H * d + D
+    return [
+        {
+            "layer": i,
+            "latent_rank": plan.kv_rank,
+            "rope_dims": plan.rope_dim,
+            "qk_nope_dim": plan.qk_nope_dim,
+            "kv_values_before": plan.original_values,
+            "kv_values_after": plan.cached_values,
+            "attention_params_before": before,
+            "attention_params_after": after,
+        }
+        for i in range(plan.num_layers)
+    ]
+
+
+def command_line() -> str:
+    return "attnsurg " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def plan_request(request: ConvertMLA):
+    ref = request.model
+    source = resolve_source(ref.ref, ref.allow_pickle, ref.trust_remote_code)
+    config = load_config(source, ref.trust_remote_code)
+    anatomy = inspect_config(config, ref.trust_remote_code)
+    plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim)
+    return source, anatomy, plan
+
+
+def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
+    source, anatomy, plan = plan_request(request)
+    report = ConvertReport(plan, anatomy)
+    if dry_run:
+        return report
+    check_output_path(request.output, request.overwrite)
+    set_seed(request.seed)
+    start = time.perf_counter()
+    ref = request.model
+    family = family_for_surgery(anatomy.model_type)
+    with ui.status(f"Loading {ref.ref}..."):
+        model = load_model(source, torch.float32, "cpu", ref.trust_remote_code, ref.allow_pickle)
+        tokenizer = load_tokenizer(source, ref.trust_remote_code)
+    calib = request.calibration
+    windows = calibration_windows(tokenizer, calib.data, calib.tokens, min(calib.seq_len, anatomy.max_positions or calib.seq_len))
+    sigmas = attention_input_moments(model, family, windows)
+    with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
+        converted = convert(model, family, sigmas, plan, request.weighted, progress=advance)
+    if request.eval_tokens:
+        eval_data = TextData(dataset=calib.data.dataset, text=calib.data.text, part="eval")
+        length = min(1024, request.eval_tokens, anatomy.max_positions or 1024)
+        report.ppl_before = perplexity_of(model, tokenizer, eval_data, length, request.eval_tokens)
+        report.ppl_after = perplexity_of(converted, tokenizer, eval_data, length, request.eval_tokens)
+    report.seconds = time.perf_counter() - start
+    report.peak_memory_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    card = mla_card(request, report)
+    recipe = yaml.safe_dump(request.model_dump(mode="json"), sort_keys=False)
+    report.written = str(
+        write_checkpoint(converted, tokenizer, request.output, card, request.overwrite, extra_files={"attnsurg_recipe.yaml": recipe})
+    )
+    return report
+
+
+def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
+    plan, anatomy = report.plan, report.anatomy
+    calib = request.calibration
+    data = calib.data.dataset or str(calib.data.text)
+    figures = [
+        {"metric": "KV values per token per layer", "before": str(plan.original_values), "after": str(plan.cached_values)},
+        {"metric": "KV bytes per token (bf16)", "before": f"{anatomy.kv_bytes_per_token('bfloat16'):,}",
+         "after": f"{plan.num_layers * plan.cached_values * 2:,}"},
+    ]
+    if report.ppl_before is not None:
+        figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",
+                        "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
+    return CardInfo(
+        title=f"{request.model.ref} as multi-head latent attention (DeepseekV3)",
+        summary=(
+            "Attention converted from grouped-query to DeepSeek-style multi-head latent attention by attnsurg. "
+            "Loads with stock transformers (`model_type: deepseek_v3`, no remote code); the RoPE key uses the "
+            "standard interleaved layout (`rope_interleave: true`) that vLLM and SGLang read."
+        ),
+        base_model=request.model.ref if "/" in request.model.ref and not request.model.ref.startswith((".", "/")) else None,
+        command=command_line(),
+        details=[
+            f"KV budget: {plan.cached_values} of {plan.original_values} values per layer per token "
+            f"(latent {plan.kv_rank} + 1 norm channel + {plan.rope_dim} RoPE dims)",
+            f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}",
+            f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; no healing",
+        ],
+        figures=figures,
+    )

@@ -1,0 +1,351 @@
+"""GQA / MHA -> DeepSeek-style multi-head latent attention (MLA), written as a stock DeepseekV3 checkpoint.
+
+Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) rotating at theta^(-2i/d):
+
+1. RoRoPE (TransMLA, Meng et al. 2025, sec. 4): for each frequency i the G key 2-vectors can be mixed by an
+   orthogonal G x G matrix U_i without breaking RoPE, since the rotation acts the same on each of them;
+   with q'_{h,j,i} = U_i[j, g(h)] q_{h,i} every head's score is unchanged. U_i is the PCA of the keys at
+   that frequency (calibration statistics), so component j = 0 carries most of the positional energy.
+2. RoPE budget: DeepseekV3 has one RoPE key shared by all heads, of width R. Component 0 of the R/2
+   highest frequencies keeps RoPE (rope_theta becomes theta^(R/d), so DeepseekV3's R/2 pairs rotate at
+   exactly those frequencies); every other component moves, unrotated, to the no-RoPE key.
+3. Latent: the no-RoPE key and the values are compressed jointly into a rank-r latent by PCA of their
+   calibration second moment, optionally weighted by what consumes them (the query second moment for keys,
+   W_o^T W_o per head group for values, each block rescaled to its unweighted energy), computed in float64.
+4. Latent norm: DeepseekV3 always applies an RMSNorm to the latent. One extra latent channel with zero weights
+   and a constant bias C >> |latent| makes the RMS the same for every token (C / sqrt(r + 1) up to a
+   relative |c|^2 / 2C^2), and the norm weight undoes it, so the latent passes through unchanged.
+5. The softmax scale of DeepseekV3 is (qk_nope + R)^-1/2: the ratio to the original d^-1/2 is folded into q.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedModel
+
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.errors import UserError
+from attnsurg.methods import MethodSpec, register
+
+# Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
+NORM_CONSTANT = 2.0**24
+SUPPORTED_ROPE = ("default", "llama3")
+
+
+def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
+    if anatomy.model_type not in ("llama", "mistral", "qwen2"):
+        return "only Llama, Mistral and Qwen2 families"
+    if anatomy.sliding_window:
+        return "sliding-window attention cannot be expressed as MLA"
+    if anatomy.qk_norm:
+        return "q/k norms cannot be expressed as MLA"
+    if anatomy.q_bias:
+        return "query biases are not yet supported"
+    if anatomy.rope_type not in SUPPORTED_ROPE:
+        return f"RoPE type '{anatomy.rope_type}' (supported: {', '.join(SUPPORTED_ROPE)})"
+    return None
+
+
+register(MethodSpec("mla", "GQA/MHA -> DeepSeek-style latent attention (DeepseekV3 checkpoint)", unsupported_reason))
+
+
+@dataclass(frozen=True)
+class MLAPlan:
+    """The shape of the converted attention (the same in every layer: stock DeepseekV3 has one kv_lora_rank)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    kv_rank: int
+
+    @property
+    def original_values(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def nope_key_dim(self) -> int:
+        """Width of the unrotated key before compression: everything RoPE does not keep."""
+        return self.num_kv_heads * self.head_dim - self.rope_dim
+
+    @property
+    def full_rank(self) -> int:
+        return self.nope_key_dim + self.num_kv_heads * self.head_dim
+
+    @property
+    def qk_nope_dim(self) -> int:
+        return min(self.nope_key_dim, self.kv_rank)
+
+    @property
+    def cached_values(self) -> int:
+        """Values cached per layer per token: the latent, its norm channel and the RoPE key."""
+        return self.kv_rank + 1 + self.rope_dim
+
+
+def default_rope_dim(values: int, head_dim: int) -> int:
+    """All frequencies when the budget allows it, else half the budget (keeping room for the latent)."""
+    return min(head_dim, 2 * (values // 4))
+
+
+def plan_mla(
+    anatomy: AttentionAnatomy,
+    kv_budget: float | None = None,
+    kv_rank: int | None = None,
+    rope_dim: int | None = None,
+) -> MLAPlan:
+    """Turn a budget (fraction of the original KV cache) or explicit sizes into a plan; clear errors otherwise."""
+    reason = unsupported_reason(anatomy)
+    if reason:
+        family_for_surgery(anatomy.model_type)
+        raise UserError(f"cannot convert to MLA: {reason}")
+    d, G = anatomy.head_dim, anatomy.num_kv_heads
+    original = 2 * G * d
+    if kv_budget is not None and (kv_rank is not None):
+        raise UserError("give either --kv-budget or --kv-rank (with --rope-dim), not both")
+    if kv_budget is None and kv_rank is None:
+        kv_budget = 0.5
+    if kv_budget is not None:
+        if not 0 < kv_budget <= 1:
+            raise UserError(f"--kv-budget must be in (0, 1], got {kv_budget}")
+        values = max(2, round(kv_budget * original))
+        rope_dim = default_rope_dim(values, d) if rope_dim is None else rope_dim
+        kv_rank = values - rope_dim  # the latent-norm channel is one extra value on top of the budget
+    rope_dim = d if rope_dim is None else rope_dim
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > d:
+        raise UserError(f"--rope-dim must be even and between 2 and the head dim ({d}), got {rope_dim}")
+    plan = MLAPlan(anatomy.num_layers, anatomy.num_heads, G, d, rope_dim, int(kv_rank))
+    if plan.kv_rank < 1:
+        raise UserError(f"the budget leaves no latent after {rope_dim} RoPE dims; raise --kv-budget or lower --rope-dim")
+    if plan.kv_rank > plan.full_rank:
+        raise UserError(f"--kv-rank {plan.kv_rank} is above the full rank {plan.full_rank} of keys and values")
+    return plan
+
+
+# ---------------------------------------------------------------------------------------- the fit
+@dataclass
+class MLAWeights:
+    """One converted layer, in float64: DeepseekV3 attention parameters."""
+
+    q_proj: torch.Tensor  # [H * (qk_nope + R), D]
+    kv_a_weight: torch.Tensor  # [r + 1 + R, D]
+    kv_a_bias: torch.Tensor  # [r + 1 + R]
+    kv_a_norm: torch.Tensor  # [r + 1]
+    kv_b_proj: torch.Tensor  # [H * (qk_nope + d), r + 1]
+    o_bias: torch.Tensor  # [D]
+
+
+def augmented(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[W b] in float64, so W x + b = [W b] [x; 1]."""
+    column = torch.zeros(weight.shape[0], 1, dtype=torch.float64) if bias is None else bias.double()[:, None]
+    return torch.cat([weight.double(), column], dim=1)
+
+
+def frequency_rows(head: int, i: int, d: int) -> list[int]:
+    """Rows of head ``head`` that RoPE rotates together at frequency i (HF layout: i and i + d/2)."""
+    return [head * d + i, head * d + i + d // 2]
+
+
+def rorope_bases(Wk: torch.Tensor, sigma: torch.Tensor, G: int, d: int) -> list[torch.Tensor]:
+    """Per frequency, the orthogonal G x G mix (rows = components, strongest first) from the key PCA."""
+    bases = []
+    for i in range(d // 2):
+        energy = torch.zeros(G, G, dtype=torch.float64)
+        for c in range(2):
+            rows = Wk[[frequency_rows(g, i, d)[c] for g in range(G)]]
+            energy += rows @ sigma @ rows.T
+        eigenvalues, eigenvectors = torch.linalg.eigh(energy)
+        bases.append(eigenvectors[:, eigenvalues.argsort(descending=True)].T)
+    return bases
+
+
+def split_components(plan: MLAPlan) -> tuple[list, list]:
+    """(j, i, c) triples: RoPE keeps component 0 of the R/2 highest frequencies, in DeepSeek's interleaved order."""
+    d, G = plan.head_dim, plan.num_kv_heads
+    rope = [(0, i, c) for i in range(plan.rope_dim // 2) for c in range(2)]
+    kept = set(rope)
+    nope = [(j, i, c) for j in range(G) for i in range(d // 2) for c in range(2) if (j, i, c) not in kept]
+    return rope, nope
+
+
+def sqrt_and_inverse_sqrt(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    eigenvalues, eigenvectors = torch.linalg.eigh(S)
+    eigenvalues = eigenvalues.clamp_min(eigenvalues.max() * 1e-10)
+    root = eigenvectors * eigenvalues.sqrt()
+    return root @ eigenvectors.T, (eigenvectors / eigenvalues.sqrt()) @ eigenvectors.T
+
+
+def rescaled(S: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    """Scale a consumer weight so the weighted energy tr(S C) equals the plain energy tr(C)."""
+    return S * (torch.trace(C) / torch.trace(S @ C).clamp_min(1e-30))
+
+
+def latent_factors(M: torch.Tensor, sigma: torch.Tensor, S: torch.Tensor | None, rank: int):
+    """Rank-r A, B minimizing E||S^1/2 (z - B A x~)||^2 for z = M x~: weighted PCA of z's second moment."""
+    C = M @ sigma @ M.T
+    if S is None:
+        root = inverse_root = torch.eye(C.shape[0], dtype=C.dtype)
+    else:
+        root, inverse_root = sqrt_and_inverse_sqrt(S)
+    eigenvalues, eigenvectors = torch.linalg.eigh(root @ C @ root)
+    top = eigenvectors[:, eigenvalues.argsort(descending=True)[:rank]]
+    return top.T @ root @ M, inverse_root @ top  # A: [r, D+1], B: [n, r]
+
+
+def consumer_weight(Q_nope: list[torch.Tensor], Wo: torch.Tensor, sigma, plan: MLAPlan, C: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal weight: query second moment for the no-RoPE key, W_o^T W_o per group for values."""
+    d, G, H = plan.head_dim, plan.num_kv_heads, plan.num_heads
+    n_k = plan.nope_key_dim
+    S_k = sum(Q @ sigma @ Q.T for Q in Q_nope)
+    S_v = torch.zeros(G * d, G * d, dtype=torch.float64)
+    for h in range(H):
+        g = h // (H // G)
+        Wo_h = Wo[:, h * d : (h + 1) * d].double()
+        S_v[g * d : (g + 1) * d, g * d : (g + 1) * d] += Wo_h.T @ Wo_h
+    S = torch.zeros(C.shape, dtype=torch.float64)
+    S[:n_k, :n_k] = rescaled(S_k, C[:n_k, :n_k])
+    S[n_k:, n_k:] = rescaled(S_v, C[n_k:, n_k:])
+    return S + torch.eye(S.shape[0], dtype=S.dtype) * S.diagonal().mean() * 1e-6
+
+
+@torch.no_grad()
+def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True) -> MLAWeights:
+    """Closed-form MLA factors for one attention layer from its input second moment ``sigma`` ((D+1)^2)."""
+    H, G, d, R, r = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.rope_dim, plan.kv_rank
+    Wq = augmented(attn.q_proj.weight, attn.q_proj.bias)
+    Wk = augmented(attn.k_proj.weight, attn.k_proj.bias)
+    Wv = augmented(attn.v_proj.weight, attn.v_proj.bias)
+    Wo = attn.o_proj.weight
+    group = H // G
+    bases = rorope_bases(Wk, sigma, G, d)
+    rope, nope = split_components(plan)
+
+    def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(rows) if rows else Wk.new_zeros(0, Wk.shape[1])
+
+    def key_rows(components) -> torch.Tensor:  # k'_{j,i,c} = sum_g U_i[j, g] k_{g,i,c}
+        return stacked([sum(bases[i][j, g] * Wk[frequency_rows(g, i, d)[c]] for g in range(G)) for j, i, c in components])
+
+    def query_rows(h: int, components) -> torch.Tensor:  # q'_{h,j,i,c} = U_i[j, g(h)] q_{h,i,c}
+        return stacked([bases[i][j, h // group] * Wq[frequency_rows(h, i, d)[c]] for j, i, c in components])
+
+    K_rope, K_nope = key_rows(rope), key_rows(nope)
+    Q_rope = [query_rows(h, rope) for h in range(H)]
+    Q_nope = [query_rows(h, nope) for h in range(H)]
+
+    M = torch.cat([K_nope, Wv])  # z = [no-RoPE key; values] = M x~
+    C = M @ sigma @ M.T
+    S = consumer_weight(Q_nope, Wo, sigma, plan, C) if weighted else None
+    A, B = latent_factors(M, sigma, S, r)
+    n_k = plan.nope_key_dim
+    B_k, B_v = B[:n_k], B[n_k:]
+    # Reduce the key width to the latent rank: B_k = Q R, so q . (B_k c) = (Q^T q) . (R c).
+    if plan.qk_nope_dim < n_k:
+        Qb, Rb = torch.linalg.qr(B_k)
+        B_k = Rb
+        Q_nope = [Qb.T @ Qh for Qh in Q_nope]
+
+    scale = math.sqrt((plan.qk_nope_dim + R) / d)
+    q_proj = torch.cat([torch.cat([Q_nope[h], Q_rope[h]]) for h in range(H)]) * scale
+    if q_proj[:, -1].abs().max() > 0:
+        raise UserError("cannot convert to MLA: query biases are not yet supported")
+
+    # Latent norm: channel r is a constant C; the RMS is then C / sqrt(r + 1) for every token.
+    rms = NORM_CONSTANT / math.sqrt(r + 1)
+    constant_row = torch.zeros(1, A.shape[1], dtype=torch.float64)
+    constant_row[0, -1] = NORM_CONSTANT
+    kv_a = torch.cat([A, constant_row, K_rope])
+    kv_a_norm = torch.cat([torch.full((r,), rms, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+
+    zero_column = torch.zeros(1, dtype=torch.float64)
+    kv_b_rows = []
+    for h in range(H):
+        g = h // group
+        kv_b_rows += [B_k, B_v[g * d : (g + 1) * d]]
+    kv_b = torch.cat(kv_b_rows)
+    kv_b = torch.cat([kv_b, zero_column.expand(kv_b.shape[0], 1)], dim=1)
+    o_bias = attn.o_proj.bias.double() if attn.o_proj.bias is not None else torch.zeros(Wo.shape[0], dtype=torch.float64)
+    return MLAWeights(q_proj[:, :-1], kv_a[:, :-1], kv_a[:, -1], kv_a_norm, kv_b, o_bias)
+
+
+# ----------------------------------------------------------------------------------- the model
+def deepseek_config(source: PreTrainedModel, plan: MLAPlan) -> DeepseekV3Config:
+    """A complete DeepseekV3 config: every MLP dense, no q LoRA, interleaved RoPE at the kept frequencies."""
+    c = source.config
+    rope = dict(c.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+    rope["rope_theta"] = float(rope["rope_theta"]) ** (plan.rope_dim / plan.head_dim)
+    return DeepseekV3Config(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        moe_intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=plan.num_heads,
+        num_key_value_heads=plan.num_heads,
+        n_shared_experts=1,
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=c.num_hidden_layers,
+        kv_lora_rank=plan.kv_rank + 1,
+        q_lora_rank=None,
+        qk_rope_head_dim=plan.rope_dim,
+        qk_nope_head_dim=plan.qk_nope_dim,
+        v_head_dim=plan.head_dim,
+        hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=rope,
+        rope_interleave=True,
+        attention_bias=True,
+        attention_dropout=0.0,
+        tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        pad_token_id=getattr(c, "pad_token_id", None),
+        dtype=str(source.dtype).removeprefix("torch."),
+    )
+
+
+@torch.no_grad()
+def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: list[MLAWeights]) -> DeepseekV3ForCausalLM:
+    """A DeepseekV3 model with the source's embeddings, norms and MLPs and the converted attention."""
+    config = deepseek_config(source, plan)
+    model = DeepseekV3ForCausalLM(config).to(source.dtype)
+    attention_prefix = f".{family.attention_attr}."
+    state = {k: v for k, v in source.state_dict().items() if attention_prefix not in k}
+    for index, w in enumerate(layers):
+        prefix = f"{family.layers_path}.{index}.{family.attention_attr}."
+        source_attn = source.get_submodule(prefix[:-1])
+        state[prefix + "q_proj.weight"] = w.q_proj
+        state[prefix + "kv_a_proj_with_mqa.weight"] = w.kv_a_weight
+        state[prefix + "kv_a_proj_with_mqa.bias"] = w.kv_a_bias
+        state[prefix + "kv_a_layernorm.weight"] = w.kv_a_norm
+        state[prefix + "kv_b_proj.weight"] = w.kv_b_proj
+        state[prefix + "o_proj.weight"] = source_attn.o_proj.weight
+        state[prefix + "o_proj.bias"] = w.o_bias
+    state = {k: v.to(source.dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"MLA assembly mismatch: missing {missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+@torch.no_grad()
+def convert(source: PreTrainedModel, family: Family, sigmas: list[torch.Tensor], plan: MLAPlan, weighted: bool = True, progress=None):
+    """Convert every layer (closed form) and assemble the DeepseekV3 model."""
+    layers = []
+    for index, sigma in enumerate(sigmas):
+        attn = source.get_submodule(f"{family.layers_path}.{index}.{family.attention_attr}")
+        layers.append(fit_layer(attn, sigma, plan, weighted))
+        if progress:
+            progress()
+    return assemble(source, family, plan, layers)

@@ -1,0 +1,116 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_input_moments
+from attnsurg.cli import app
+from attnsurg.convert import run_convert
+from attnsurg.errors import UserError
+from attnsurg.methods.mla import convert, plan_mla
+from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
+
+from conftest import build_tiny
+
+LLAMA = family_for_surgery("llama")
+
+
+def converted_error(model, plan, ids, weighted=True) -> float:
+    windows = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
+    sigmas = attention_input_moments(model, LLAMA, windows)
+    mla = convert(model, LLAMA, sigmas, plan, weighted)
+    with torch.no_grad():
+        return (mla(ids).logits - model(ids).logits).abs().max().item()
+
+
+def test_full_budget_is_exact_when_one_kv_head_holds_all_rope():
+    """With G = 1 the shared RoPE key loses nothing, so the full budget reproduces the logits."""
+    model = build_tiny("llama", 384, num_key_value_heads=1)
+    plan = plan_mla(inspect_config(model.config), kv_budget=1.0)
+    assert plan.kv_rank == plan.full_rank and plan.rope_dim == 16
+    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
+    assert converted_error(model, plan, ids) < 1e-4
+
+
+def test_error_falls_as_the_latent_grows():
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    anatomy = inspect_config(model.config)
+    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
+    errors = [converted_error(model, plan_mla(anatomy, kv_rank=r, rope_dim=16), ids) for r in (4, 16, 32, 48)]
+    assert errors == sorted(errors, reverse=True), errors
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha", "mistral"])
+def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, tiny_checkpoints, corpus_file, tmp_path):
+    request = ConvertMLA(
+        model=ModelRef(ref=str(tiny_checkpoints[variant])),
+        output=tmp_path / "mla",
+        kv_budget=0.5,
+        calibration=Calibration(data=TextData(text=corpus_file, part="calib"), tokens=512, seq_len=64),
+        eval_tokens=256,
+    )
+    report = run_convert(request)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert model.config.first_k_dense_replace == model.config.num_hidden_layers and model.config.rope_interleave
+    ids = torch.randint(0, 384, (1, 20), generator=torch.Generator().manual_seed(0))
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    layer = generated.past_key_values.layers[0]
+    assert layer.keys.shape[-1] == report.plan.kv_rank + 1 and layer.values.shape[-1] == report.plan.rope_dim
+    assert report.plan.cached_values == report.plan.original_values // 2 + 1
+    card = (tmp_path / "mla" / "README.md").read_text()
+    assert "ppl" in card and "calibration part" in card
+    assert (tmp_path / "mla" / "attnsurg_recipe.yaml").is_file()
+    assert report.ppl_after is not None and report.ppl_after > 0
+
+
+def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
+    source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
+    plan = plan_mla(inspect_config(source.config), kv_budget=0.5)
+    windows = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
+    mla = convert(source, LLAMA, attention_input_moments(source, LLAMA, windows), plan)
+    mla.save_pretrained(tmp_path / "m")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    ids = torch.arange(30)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, mla(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"kv_budget": 0.0}, "must be in (0, 1]"),
+        ({"kv_budget": 1.5}, "must be in (0, 1]"),
+        ({"kv_rank": 8, "rope_dim": 7}, "must be even"),
+        ({"kv_rank": 8, "rope_dim": 32}, "head dim (16)"),
+        ({"kv_rank": 1000, "rope_dim": 16}, "above the full rank"),
+        ({"kv_budget": 0.5, "kv_rank": 8}, "not both"),
+    ],
+)
+def test_bad_budgets(tiny_checkpoints, kwargs, fragment):
+    config = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"]).config
+    with pytest.raises(UserError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        plan_mla(inspect_config(config), **kwargs)
+
+
+def test_attention_mla_cannot_represent_is_refused():
+    model = build_tiny("mistral", 384, num_key_value_heads=2)
+    model.config.sliding_window = 32
+    with pytest.raises(UserError, match="sliding-window"):
+        plan_mla(inspect_config(model.config), kv_budget=0.5)
+
+
+def test_cli_dry_run_prints_the_plan_and_writes_nothing(tiny_checkpoints, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "mla", "--kv-budget", "0.5",
+                                 "-o", str(tmp_path / "out"), "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)["plan"]
+    assert len(plan) == 2 and plan[0]["kv_values_before"] == 64 and plan[0]["kv_values_after"] == 33
+    assert not (tmp_path / "out").exists()
+    bad = runner.invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--kv-budget", "2", "--dry-run"])
+    assert bad.exit_code == 2 and "must be in (0, 1]" in bad.stderr

@@ -1,0 +1,85 @@
+"""MLA conversion of the demo model at several KV budgets, against the original in the same run.
+
+    python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--unweighted]
+
+Calibrates on the calibration half of wiki-sample, evaluates on the first WINDOWS x 1024 tokens of its
+evaluation half (disjoint windows, fp32), converts in memory (no healing). Prints a markdown table of
+ppl ratios, conversion time, and the KV-cache bytes held at 4K context read from the cache objects.
+Writes benchmarks/results/mla_budget.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_input_moments, calibration_windows
+from attnsurg.eval.perplexity import perplexity_of
+from attnsurg.io.load import load_model, load_tokenizer, resolve_source
+from attnsurg.methods.mla import convert, plan_mla
+from attnsurg.recipe import TextData
+
+
+@torch.inference_mode()
+def cache_bytes_at(model, context: int) -> int:
+    """Bytes the transformers cache holds after a forward over ``context`` tokens (bf16 model)."""
+    model = model.to(torch.bfloat16)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.zeros(1, context, dtype=torch.long), cache=cache, use_cache=True)
+    total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    model.to(torch.float32)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--calib-tokens", type=int, default=4096)
+    parser.add_argument("--unweighted", action="store_true")
+    parser.add_argument("--context", type=int, default=4096)
+    args = parser.parse_args()
+
+    source = resolve_source(args.model)
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    anatomy = inspect_config(model.config)
+    family = family_for_surgery(anatomy.model_type)
+    evaluation = TextData(dataset="wiki-sample", part="eval")
+    tokens = args.windows * 1024
+    original = perplexity_of(model, tokenizer, evaluation, 1024, tokens)
+    rows = [{"budget": 1.0, "values": anatomy.kv_values_per_layer, "ppl": original, "ratio": 1.0,
+             "convert_s": 0.0, "cache_bytes": cache_bytes_at(model, args.context)}]
+    for budget in args.budgets:
+        start = time.perf_counter()
+        windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
+        sigmas = attention_input_moments(model, family, windows)
+        plan = plan_mla(anatomy, kv_budget=budget)
+        mla = convert(model, family, sigmas, plan, weighted=not args.unweighted)
+        seconds = time.perf_counter() - start
+        ppl = perplexity_of(mla, tokenizer, evaluation, 1024, tokens)
+        rows.append({"budget": budget, "values": plan.cached_values, "rope_dim": plan.rope_dim, "kv_rank": plan.kv_rank,
+                     "ppl": ppl, "ratio": ppl / original, "convert_s": seconds, "cache_bytes": cache_bytes_at(mla, args.context)})
+        del mla
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    print(f"| KV budget | values/layer/token | RoPE + latent | ppl | ratio | convert s (incl. calibration) | cache bytes at {args.context} (bf16) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        layout = f"{r['rope_dim']} + {r['kv_rank']} + 1" if "rope_dim" in r else "original"
+        print(f"| {r['budget']} | {r['values']} | {layout} | {r['ppl']:.3f} | {r['ratio']:.3f} | {r['convert_s']:.1f} | {r['cache_bytes']:,} |")
+    print(f"\npeak memory of this process: {peak:.2f} GB; weighted latent: {not args.unweighted}")
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
+    (results / "mla_budget.json").write_text(json.dumps({"rows": rows, "peak_memory_gb": peak}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_input_moments, calibration_windows
 from attnsurg.eval.perplexity import perplexity_of
 from attnsurg.io.card import CardInfo
-from attnsurg.io.load import load_config, load_model, load_tokenizer, resolve_source
+from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_source
 from attnsurg.io.save import check_output_path, write_checkpoint
 from attnsurg.methods.mla import MLAPlan, convert, plan_mla
 from attnsurg.recipe import ConvertMLA, TextData
@@ -93,6 +93,9 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
         length = min(1024, request.eval_tokens, anatomy.max_positions or 1024)
         report.ppl_before = perplexity_of(model, tokenizer, eval_data, length, request.eval_tokens)
         report.ppl_after = perplexity_of(converted, tokenizer, eval_data, length, request.eval_tokens)
+    native = DTYPES.get(anatomy.dtype, torch.float32)  # fitted in float64, evaluated in float32, saved as the source
+    converted.to(native)
+    converted.config.dtype = anatomy.dtype
     report.seconds = time.perf_counter() - start
     report.peak_memory_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
     card = mla_card(request, report)

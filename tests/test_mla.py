@@ -114,3 +114,20 @@ def test_cli_dry_run_prints_the_plan_and_writes_nothing(tiny_checkpoints, tmp_pa
     assert not (tmp_path / "out").exists()
     bad = runner.invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--kv-budget", "2", "--dry-run"])
     assert bad.exit_code == 2 and "must be in (0, 1]" in bad.stderr
+
+
+def test_output_keeps_the_source_dtype(tiny_checkpoints, corpus_file, tmp_path):
+    source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"], dtype=torch.bfloat16)
+    source.save_pretrained(tmp_path / "bf16")
+    (tmp_path / "bf16" / "tokenizer.json").write_bytes((tiny_checkpoints["llama-gqa"] / "tokenizer.json").read_bytes())
+    (tmp_path / "bf16" / "tokenizer_config.json").write_bytes((tiny_checkpoints["llama-gqa"] / "tokenizer_config.json").read_bytes())
+    request = ConvertMLA(
+        model=ModelRef(ref=str(tmp_path / "bf16")),
+        output=tmp_path / "mla",
+        kv_budget=0.5,
+        calibration=Calibration(data=TextData(text=corpus_file, part="calib"), tokens=256, seq_len=64),
+        eval_tokens=0,
+    )
+    run_convert(request)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
+    assert reloaded.dtype == torch.bfloat16

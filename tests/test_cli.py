@@ -44,6 +44,9 @@ def test_info_table_and_json(tiny_checkpoints):
         assert fragment in table.stdout
     record = json.loads(invoke("info", path, "--json").stdout)
     assert record["anatomy"]["num_kv_heads"] == 2 and record["anatomy"]["kv_bytes_per_token"] == 512
+    assert record["methods"]["mla"] == "query biases are not yet supported"
+    llama = json.loads(invoke("info", tiny_checkpoints["llama-gqa"], "--json").stdout)
+    assert llama["methods"]["mla"] is None
 
 
 def test_eval_two_models_table_and_json(tiny_checkpoints, corpus_file):

@@ -33,3 +33,11 @@ def register(spec: MethodSpec) -> MethodSpec:
 def method_support(anatomy: AttentionAnatomy) -> dict[str, str | None]:
     """For each registered method: None if it supports the model, else the reason it does not."""
     return {name: spec.unsupported_reason(anatomy) for name, spec in METHODS.items()}
+
+
+def _register_builtin_methods() -> None:
+    """Import each method module once so it registers itself."""
+    from attnsurg.methods import mla  # noqa: F401
+
+
+_register_builtin_methods()

@@ -16,7 +16,7 @@ from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy, inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_input_moments, calibration_windows
-from attnsurg.eval.perplexity import perplexity_of
+from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.card import CardInfo
 from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_source
 from attnsurg.io.save import check_output_path, write_checkpoint
@@ -91,8 +91,9 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
     if request.eval_tokens:
         eval_data = TextData(dataset=calib.data.dataset, text=calib.data.text, part="eval")
         length = min(1024, request.eval_tokens, anatomy.max_positions or 1024)
-        report.ppl_before = perplexity_of(model, tokenizer, eval_data, length, request.eval_tokens)
-        report.ppl_after = perplexity_of(converted, tokenizer, eval_data, length, request.eval_tokens)
+        tokens, windows = eval_windows(tokenizer, eval_data, length, request.eval_tokens)
+        report.ppl_before = perplexity_of(model, tokens, windows)
+        report.ppl_after = perplexity_of(converted, tokens, windows)
     native = DTYPES.get(anatomy.dtype, torch.float32)  # fitted in float64, evaluated in float32, saved as the source
     converted.to(native)
     converted.config.dtype = anatomy.dtype

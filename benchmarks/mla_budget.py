@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_input_moments, calibration_windows
-from attnsurg.eval.perplexity import perplexity_of
+from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods.mla import convert, plan_mla
 from attnsurg.recipe import TextData
@@ -54,8 +54,8 @@ def main() -> None:
     anatomy = inspect_config(model.config)
     family = family_for_surgery(anatomy.model_type)
     evaluation = TextData(dataset="wiki-sample", part="eval")
-    tokens = args.windows * 1024
-    original = perplexity_of(model, tokenizer, evaluation, 1024, tokens)
+    tokens, eval_plan = eval_windows(tokenizer, evaluation, 1024, args.windows * 1024)
+    original = perplexity_of(model, tokens, eval_plan)
     rows = [{"budget": 1.0, "values": anatomy.kv_values_per_layer, "ppl": original, "ratio": 1.0,
              "convert_s": 0.0, "cache_bytes": cache_bytes_at(model, args.context)}]
     for budget in args.budgets:
@@ -65,7 +65,7 @@ def main() -> None:
         plan = plan_mla(anatomy, kv_budget=budget)
         mla = convert(model, family, sigmas, plan, weighted=not args.unweighted)
         seconds = time.perf_counter() - start
-        ppl = perplexity_of(mla, tokenizer, evaluation, 1024, tokens)
+        ppl = perplexity_of(mla, tokens, eval_plan)
         rows.append({"budget": budget, "values": plan.cached_values, "rope_dim": plan.rope_dim, "kv_rank": plan.kv_rank,
                      "ppl": ppl, "ratio": ppl / original, "convert_s": seconds, "cache_bytes": cache_bytes_at(mla, args.context)})
         del mla

@@ -109,13 +109,15 @@ def batches(windows: list[Window], batch_size: int) -> list[list[Window]]:
 
 
 @torch.inference_mode()
-def score_batch(model: PreTrainedModel, ids: torch.Tensor, batch: list[Window], device: torch.device) -> float:
+def score_batch(
+    model: PreTrainedModel, ids: torch.Tensor, batch: list[Window], device: torch.device, keep_logits: bool
+) -> float:
     """Summed NLL (float64) of the scored tokens of equally long windows."""
     length = batch[0].length
     inputs = torch.stack([ids[w.begin : w.end] for w in batch]).to(device)
     # Logits at position p predict token p+1: scoring [score_from, end) needs logits from score_from-1.
     first_logit = min(w.score_from - w.begin - 1 for w in batch)
-    kwargs = {"logits_to_keep": length - first_logit} if accepts_logits_to_keep(model) else {}
+    kwargs = {"logits_to_keep": length - first_logit} if keep_logits else {}
     logits = model(input_ids=inputs, use_cache=False, **kwargs).logits
     offset = length - logits.shape[1]
     total = 0.0
@@ -132,10 +134,11 @@ def score_windows(
 ) -> Score:
     score = Score()
     groups = batches(windows, batch_size)
+    keep_logits = accepts_logits_to_keep(model)
     with ui.progress_bar(f"Scoring {label}", total=len(windows), unit="windows") as advance:
         for batch in groups:
             start = time.perf_counter()
-            score.nll += score_batch(model, ids, batch, device)
+            score.nll += score_batch(model, ids, batch, device, keep_logits)
             score.seconds += time.perf_counter() - start
             score.tokens += sum(w.scored for w in batch)
             score.tokens_fed += sum(w.length for w in batch)
@@ -206,12 +209,16 @@ def evaluate_model(model_ref: ModelRef, request: PerplexityEval, text: Text) -> 
     )
 
 
-def perplexity_of(model: PreTrainedModel, tokenizer, data: TextData, max_length: int, max_tokens: int) -> float:
-    """Token perplexity of an in-memory model on disjoint windows of ``data`` (used before/after surgery)."""
+def eval_windows(tokenizer, data: TextData, max_length: int, max_tokens: int) -> tuple[Tokens, list[Window]]:
+    """Tokens and disjoint windows of ``data`` for scoring in-memory models (before/after surgery)."""
     text = load_text(data.dataset, data.text, data.part)
     tokens = tokenize(tokenizer, text.text, max_tokens)
     request = PerplexityEval(models=[ModelRef(ref="in-memory")], data=data, max_length=max_length, max_tokens=max_tokens)
-    windows = plan_for(request, tokens, text)
+    return tokens, plan_for(request, tokens, text)
+
+
+def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window]) -> float:
+    """Token perplexity of an in-memory model on prepared windows."""
     device = next(model.parameters()).device
     score = score_windows(model, tokens.ids, windows, 1, device, "in-memory model")
     return math.exp(score.nll / score.tokens)

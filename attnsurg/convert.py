@@ -13,12 +13,13 @@ import yaml
 from transformers import set_seed
 
 from attnsurg import ui
-from attnsurg.arch.anatomy import AttentionAnatomy, inspect_config
+from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_input_moments, calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.card import CardInfo
-from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_source
+from attnsurg.info import inspect_model
+from attnsurg.io.load import DTYPES, load_model, load_tokenizer
 from attnsurg.io.save import check_output_path, write_checkpoint
 from attnsurg.methods.mla import MLAPlan, convert, plan_mla
 from attnsurg.recipe import ConvertMLA, TextData
@@ -62,10 +63,7 @@ def command_line() -> str:
 
 
 def plan_request(request: ConvertMLA):
-    ref = request.model
-    source = resolve_source(ref.ref, ref.allow_pickle, ref.trust_remote_code)
-    config = load_config(source, ref.trust_remote_code)
-    anatomy = inspect_config(config, ref.trust_remote_code)
+    source, _, anatomy = inspect_model(request.model)
     plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim)
     return source, anatomy, plan
 

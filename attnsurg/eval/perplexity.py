@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, set_seed
 
 from attnsurg import ui
-from attnsurg.arch.anatomy import inspect_config
 from attnsurg.data import Text, load_text
 from attnsurg.errors import UserError
 from attnsurg.eval.windows import Window, count_words, plan_windows, scored_text
-from attnsurg.io.load import load_config, load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_source
+from attnsurg.info import inspect_model
+from attnsurg.io.load import load_model, load_tokenizer, resolve_device, resolve_dtype
 from attnsurg.recipe import ModelRef, PerplexityEval, TextData
 
 
@@ -174,8 +174,7 @@ def plan_for(request: PerplexityEval, tokens: Tokens, text: Text) -> list[Window
 
 
 def evaluate_model(model_ref: ModelRef, request: PerplexityEval, text: Text) -> ModelResult:
-    source = resolve_source(model_ref.ref, model_ref.allow_pickle, model_ref.trust_remote_code)
-    config = load_config(source, model_ref.trust_remote_code)
+    source, config, anatomy = inspect_model(model_ref)
     check_window_fits(request, config, model_ref.ref)
     device = resolve_device(request.device)
     dtype = resolve_dtype(request.dtype, device, config)
@@ -184,7 +183,6 @@ def evaluate_model(model_ref: ModelRef, request: PerplexityEval, text: Text) -> 
     windows = plan_for(request, tokens, text)
     with ui.status(f"Loading {model_ref.ref}..."):
         model = load_model(source, dtype, device, model_ref.trust_remote_code, model_ref.allow_pickle)
-    anatomy = inspect_config(model.config, model_ref.trust_remote_code)
     dtype_name = str(dtype).removeprefix("torch.")
     score = score_windows(model, tokens.ids, windows, request.batch_size, device, model_ref.ref)
     del model

@@ -40,18 +40,16 @@ def attention_layers(model: nn.Module, family: Family) -> list[nn.Module]:
     return [getattr(layer, family.attention_attr) for layer in layers]
 
 
-@torch.inference_mode()
-def attention_input_moments(model: nn.Module, family: Family, windows: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer, E[x~ x~^T] ((D+1) x (D+1), float64) of the attention input (after the input norm)."""
+@torch.no_grad()  # not inference_mode: refinement trains on these tensors
+def attention_inputs(model: nn.Module, family: Family, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, the attention input (after the input norm) on every window: ``[n, seq_len, D]``, CPU float32."""
     attentions = attention_layers(model, family)
-    sums = [None] * len(attentions)
-    count = 0
+    captured: list[list[torch.Tensor]] = [[] for _ in attentions]
 
     def capture(index: int):
         def hook(module, args, kwargs):
             x = kwargs.get("hidden_states", args[0] if args else None)
-            xa = augment(x).cpu()
-            sums[index] = xa.T @ xa if sums[index] is None else sums[index] + xa.T @ xa
+            captured[index].append(x.detach().float().cpu())
 
         return hook
 
@@ -61,9 +59,19 @@ def attention_input_moments(model: nn.Module, family: Family, windows: torch.Ten
         with ui.progress_bar("Calibrating", total=len(windows), unit="windows") as advance:
             for window in windows:
                 model(input_ids=window[None].to(device), use_cache=False)
-                count += window.numel()
                 advance()
     finally:
         for handle in handles:
             handle.remove()
-    return [s / count for s in sums]
+    return [torch.cat(chunks) for chunks in captured]
+
+
+def second_moment(x: torch.Tensor) -> torch.Tensor:
+    """E[x~ x~^T] ((D+1) x (D+1), float64) over all tokens of x."""
+    xa = augment(x)
+    return xa.T @ xa / xa.shape[0]
+
+
+def attention_input_moments(model: nn.Module, family: Family, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, E[x~ x~^T] of the attention input."""
+    return [second_moment(x) for x in attention_inputs(model, family, windows)]

@@ -247,6 +247,11 @@ def convert(
     calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")] = None,
     calib_tokens: Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")] = 4096,
     unweighted: Annotated[bool, typer.Option("--unweighted", help="Plain PCA for the latent (no consumer weighting).")] = False,
+    refine_steps: Annotated[
+        int, typer.Option("--refine-steps", help="Adam steps per layer against the original layer's output (0: closed form only).")
+    ] = 20,
+    refine_tokens: Annotated[int, typer.Option("--refine-tokens", help="Calibration tokens used for refinement.")] = 2048,
+    refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate.")] = 1e-3,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")] = 2048,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
@@ -271,6 +276,9 @@ def convert(
         kv_rank=kv_rank,
         rope_dim=rope_dim,
         weighted=not unweighted,
+        refine_steps=refine_steps,
+        refine_tokens=refine_tokens,
+        refine_lr=refine_lr,
         calibration=Calibration(data=calibration_data, tokens=calib_tokens),
         eval_tokens=eval_tokens,
         overwrite=overwrite,
@@ -280,7 +288,8 @@ def convert(
     rows = plan_rows(report.plan, report.anatomy)
     if json_output:
         record = {"plan": rows, "written": report.written, "seconds": report.seconds,
-                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after}
+                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+                  "layer_errors": report.layer_errors}
         print(json.dumps(record, indent=2))
         return
     table = Table(title=f"MLA plan for {model} (identical in every layer)", title_justify="left")
@@ -294,6 +303,9 @@ def convert(
     out.print(table)
     if report.written:
         out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
+    if report.mean_layer_error:
+        before, after = report.mean_layer_error
+        out.print(f"mean relative attention-output error per layer: {before:.4f} -> {after:.4f} (refinement)")
     if report.ppl_before is not None:
         out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
 

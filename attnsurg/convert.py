@@ -15,7 +15,7 @@ from transformers import set_seed
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import attention_input_moments, calibration_windows
+from attnsurg.calibrate import attention_inputs, calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.card import CardInfo
 from attnsurg.info import inspect_model
@@ -34,7 +34,14 @@ class ConvertReport:
     peak_memory_gb: float = 0.0
     ppl_before: float | None = None
     ppl_after: float | None = None
-    figures: dict = field(default_factory=dict)
+    layer_errors: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def mean_layer_error(self) -> tuple[float, float] | None:
+        if not self.layer_errors:
+            return None
+        n = len(self.layer_errors)
+        return sum(b for b, _ in self.layer_errors) / n, sum(a for _, a in self.layer_errors) / n
 
 
 def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
@@ -83,9 +90,13 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
         tokenizer = load_tokenizer(source, ref.trust_remote_code)
     calib = request.calibration
     windows = calibration_windows(tokenizer, calib.data, calib.tokens, min(calib.seq_len, anatomy.max_positions or calib.seq_len))
-    sigmas = attention_input_moments(model, family, windows)
+    inputs = attention_inputs(model, family, windows)
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
-        converted = convert(model, family, sigmas, plan, request.weighted, progress=advance)
+        converted, report.layer_errors = convert(
+            model, family, inputs, plan, request.weighted,
+            request.refine_steps, request.refine_tokens, request.refine_lr, progress=advance,
+        )
+    del inputs
     if request.eval_tokens:
         eval_data = TextData(dataset=calib.data.dataset, text=calib.data.text, part="eval")
         length = min(1024, request.eval_tokens, anatomy.max_positions or 1024)
@@ -114,6 +125,10 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
         {"metric": "KV bytes per token (bf16)", "before": f"{anatomy.kv_bytes_per_token('bfloat16'):,}",
          "after": f"{plan.num_layers * plan.cached_values * 2:,}"},
     ]
+    if report.mean_layer_error:
+        before, after = report.mean_layer_error
+        figures.append({"metric": "mean relative attention-output error per layer (refinement)",
+                        "before": f"{before:.4f}", "after": f"{after:.4f}"})
     if report.ppl_before is not None:
         figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",
                         "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
@@ -130,7 +145,10 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"KV budget: {plan.cached_values} of {plan.original_values} values per layer per token "
             f"(latent {plan.kv_rank} + 1 norm channel + {plan.rope_dim} RoPE dims)",
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}",
-            f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; no healing",
+            f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "
+            + (f"then {request.refine_steps} Adam steps per layer on {request.refine_tokens} tokens against the "
+               "original layer's output" if request.refine_steps else "no refinement")
+            + "; no healing",
         ],
         figures=figures,
     )

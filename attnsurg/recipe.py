@@ -89,6 +89,9 @@ class ConvertMLA(Strict):
     kv_rank: int | None = None
     rope_dim: int | None = None
     weighted: bool = True
+    refine_steps: int = Field(20, ge=0)
+    refine_tokens: int = Field(2048, gt=0)
+    refine_lr: float = Field(1e-3, gt=0)
     calibration: Calibration = Calibration()
     eval_tokens: int = Field(2048, ge=0)
     overwrite: bool = False

@@ -1,9 +1,11 @@
 """MLA conversion of the demo model at several KV budgets, against the original in the same run.
 
     python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--unweighted]
+                                    [--refine-steps 20] [--refine-tokens 2048]
 
 Calibrates on the calibration half of wiki-sample, evaluates on the first WINDOWS x 1024 tokens of its
-evaluation half (disjoint windows, fp32), converts in memory (no healing). Prints a markdown table of
+evaluation half (disjoint windows, fp32), converts in memory (closed form, then --refine-steps of layer-wise
+refinement; no healing). Prints a markdown table of
 ppl ratios, conversion time, and the KV-cache bytes held at 4K context read from the cache objects.
 Writes benchmarks/results/mla_budget.json.
 """
@@ -21,7 +23,7 @@ from transformers import DynamicCache
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import attention_input_moments, calibration_windows
+from attnsurg.calibrate import attention_inputs, calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods.mla import convert, plan_mla
@@ -46,6 +48,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calib-tokens", type=int, default=4096)
     parser.add_argument("--unweighted", action="store_true")
+    parser.add_argument("--refine-steps", type=int, default=20)
+    parser.add_argument("--refine-tokens", type=int, default=2048)
     parser.add_argument("--context", type=int, default=4096)
     args = parser.parse_args()
 
@@ -61,9 +65,9 @@ def main() -> None:
     for budget in args.budgets:
         start = time.perf_counter()
         windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
-        sigmas = attention_input_moments(model, family, windows)
+        inputs = attention_inputs(model, family, windows)
         plan = plan_mla(anatomy, kv_budget=budget)
-        mla = convert(model, family, sigmas, plan, weighted=not args.unweighted)
+        mla, _ = convert(model, family, inputs, plan, not args.unweighted, args.refine_steps, args.refine_tokens)
         seconds = time.perf_counter() - start
         ppl = perplexity_of(mla, tokens, eval_plan)
         rows.append({"budget": budget, "values": plan.cached_values, "rope_dim": plan.rope_dim, "kv_rank": plan.kv_rank,
@@ -75,7 +79,8 @@ def main() -> None:
     for r in rows:
         layout = f"{r['rope_dim']} + {r['kv_rank']} + 1" if "rope_dim" in r else "original"
         print(f"| {r['budget']} | {r['values']} | {layout} | {r['ppl']:.3f} | {r['ratio']:.3f} | {r['convert_s']:.1f} | {r['cache_bytes']:,} |")
-    print(f"\npeak memory of this process: {peak:.2f} GB; weighted latent: {not args.unweighted}")
+    print(f"\npeak memory of this process: {peak:.2f} GB; weighted latent: {not args.unweighted}; "
+          f"refinement: {args.refine_steps} steps on {args.refine_tokens} tokens")
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
     (results / "mla_budget.json").write_text(json.dumps({"rows": rows, "peak_memory_gb": peak}, indent=2))

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import attention_input_moments
+from attnsurg.calibrate import attention_inputs
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
@@ -19,10 +19,9 @@ from conftest import build_tiny
 LLAMA = family_for_surgery("llama")
 
 
-def converted_error(model, plan, ids, weighted=True) -> float:
+def converted_error(model, plan, ids, weighted=True, refine_steps=0) -> float:
     windows = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
-    sigmas = attention_input_moments(model, LLAMA, windows)
-    mla = convert(model, LLAMA, sigmas, plan, weighted)
+    mla, _ = convert(model, LLAMA, attention_inputs(model, LLAMA, windows), plan, weighted, refine_steps)
     with torch.no_grad():
         return (mla(ids).logits - model(ids).logits).abs().max().item()
 
@@ -34,6 +33,27 @@ def test_full_budget_is_exact_when_one_kv_head_holds_all_rope():
     assert plan.kv_rank == plan.full_rank and plan.rope_dim == 16
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
     assert converted_error(model, plan, ids) < 1e-4
+    assert converted_error(model, plan, ids, refine_steps=10) < 1e-4  # refinement never leaves an exact fit
+
+
+def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
+    windows = torch.randint(0, 384, (8, 64), generator=torch.Generator().manual_seed(1))
+    inputs = attention_inputs(model, LLAMA, windows)
+    held_out = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(held_out).logits
+
+    def relative_logit_error(steps: int) -> tuple[float, list]:
+        mla, errors = convert(model, LLAMA, inputs, plan, refine_steps=steps, refine_tokens=512, refine_lr=3e-3)
+        with torch.no_grad():
+            return ((mla(held_out).logits - reference).pow(2).mean() / reference.pow(2).mean()).item(), errors
+
+    closed_form, _ = relative_logit_error(0)
+    refined, errors = relative_logit_error(40)
+    assert len(errors) == 2 and all(after < 0.5 * before for before, after in errors), errors
+    assert refined < 0.9 * closed_form
 
 
 def test_error_falls_as_the_latent_grows():
@@ -72,7 +92,7 @@ def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
     source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
     plan = plan_mla(inspect_config(source.config), kv_budget=0.5)
     windows = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
-    mla = convert(source, LLAMA, attention_input_moments(source, LLAMA, windows), plan)
+    mla, _ = convert(source, LLAMA, attention_inputs(source, LLAMA, windows), plan, refine_steps=5)
     mla.save_pretrained(tmp_path / "m")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     ids = torch.arange(30)[None]

@@ -19,6 +19,7 @@ class Family:
     model_type: str
     label: str
     layers_path: str = "model.layers"
+    rotary_path: str = "model.rotary_emb"
     attention_attr: str = "self_attn"
     q_proj: str = "q_proj"
     k_proj: str = "k_proj"

@@ -16,6 +16,9 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
    and a constant bias C >> |latent| makes the RMS the same for every token (C / sqrt(r + 1) up to a
    relative |c|^2 / 2C^2), and the norm weight undoes it, so the latent passes through unchanged.
 5. The softmax scale of DeepseekV3 is (qk_nope + R)^-1/2: the ratio to the original d^-1/2 is folded into q.
+6. Refinement (optional, from the closed form): per layer, Adam on q_proj, kv_a and kv_b minimizes the relative
+   squared error between the converted attention's output and the original layer's, on the original model's
+   calibration inputs (layer-wise reconstruction as in BRECQ, Li et al. 2021). The norm channel stays frozen.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedModel
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
@@ -339,13 +343,109 @@ def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: lis
     return model.eval()
 
 
+# ---------------------------------------------------------------------------------- refinement
+def causal_mask(length: int) -> torch.Tensor:
+    """Additive [1, 1, L, L] causal mask, explicit so every attention implementation honours it."""
+    blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
+    return torch.zeros(length, length).masked_fill(blocked, torch.finfo(torch.float32).min)[None, None]
+
+
+def mla_attention(config: DeepseekV3Config, index: int, w: MLAWeights, o_weight: torch.Tensor) -> DeepseekV3Attention:
+    """A float32 DeepseekV3 attention module holding one converted layer."""
+    attention = DeepseekV3Attention(config, index)
+    state = {
+        "q_proj.weight": w.q_proj,
+        "kv_a_proj_with_mqa.weight": w.kv_a_weight,
+        "kv_a_proj_with_mqa.bias": w.kv_a_bias,
+        "kv_a_layernorm.weight": w.kv_a_norm,
+        "kv_b_proj.weight": w.kv_b_proj,
+        "o_proj.weight": o_weight,
+        "o_proj.bias": w.o_bias,
+    }
+    attention.load_state_dict({k: v.detach().float() for k, v in state.items()})
+    return attention
+
+
+def freeze_norm_channel(attention: DeepseekV3Attention, rank: int) -> list[torch.nn.Parameter]:
+    """Trainable parameters, with the latent-norm channel (row ``rank`` of kv_a) kept at its constant."""
+    attention.kv_a_layernorm.weight.requires_grad_(False)
+    attention.o_proj.requires_grad_(False)
+    keep = torch.ones(attention.kv_a_proj_with_mqa.weight.shape[0], 1)
+    keep[rank] = 0
+    attention.kv_a_proj_with_mqa.weight.register_hook(lambda g: g * keep)
+    attention.kv_a_proj_with_mqa.bias.register_hook(lambda g: g * keep[:, 0])
+    return [p for p in attention.parameters() if p.requires_grad]
+
+
+def refine_layer(
+    source_attn, source_rope, w: MLAWeights, config: DeepseekV3Config, index: int, inputs: torch.Tensor, steps: int, lr: float
+) -> tuple[MLAWeights, float, float]:
+    """Adam on the converted layer against the original layer's output; returns the better weights and the
+    relative output error before and after. The closed form is kept when refinement does not improve it."""
+    x = inputs.float()
+    positions = torch.arange(x.shape[1])[None]
+    mask = causal_mask(x.shape[1])
+    with torch.no_grad():
+        target = source_attn(hidden_states=x, position_embeddings=source_rope(x[:1], positions), attention_mask=mask)[0]
+    energy = target.pow(2).mean()
+    attention = mla_attention(config, index, w, source_attn.o_proj.weight)
+    rope = DeepseekV3RotaryEmbedding(config)(x[:1], positions)
+
+    def relative_error() -> torch.Tensor:
+        output = attention(hidden_states=x, position_embeddings=rope, attention_mask=mask)[0]
+        return (output - target).pow(2).mean() / energy
+
+    with torch.no_grad():
+        before = relative_error().item()
+    optimizer = torch.optim.Adam(freeze_norm_channel(attention, config.kv_lora_rank - 1), lr=lr)
+    with torch.enable_grad():
+        for _ in range(steps):
+            optimizer.zero_grad()
+            relative_error().backward()
+            optimizer.step()
+    with torch.no_grad():
+        after = relative_error().item()
+    if after >= before:
+        return w, before, before
+    refined = MLAWeights(
+        q_proj=attention.q_proj.weight.detach().double(),
+        kv_a_weight=attention.kv_a_proj_with_mqa.weight.detach().double(),
+        kv_a_bias=attention.kv_a_proj_with_mqa.bias.detach().double(),
+        kv_a_norm=w.kv_a_norm,
+        kv_b_proj=attention.kv_b_proj.weight.detach().double(),
+        o_bias=w.o_bias,
+    )
+    return refined, before, after
+
+
 @torch.no_grad()
-def convert(source: PreTrainedModel, family: Family, sigmas: list[torch.Tensor], plan: MLAPlan, weighted: bool = True, progress=None):
-    """Convert every layer (closed form) and assemble the DeepseekV3 model."""
-    layers = []
-    for index, sigma in enumerate(sigmas):
+def convert(
+    source: PreTrainedModel,
+    family: Family,
+    inputs: list[torch.Tensor],
+    plan: MLAPlan,
+    weighted: bool = True,
+    refine_steps: int = 0,
+    refine_tokens: int = 2048,
+    refine_lr: float = 1e-3,
+    progress=None,
+) -> tuple[DeepseekV3ForCausalLM, list[tuple[float, float]]]:
+    """Convert every layer (closed form from the calibration inputs' second moment, then optional refinement)
+    and assemble the DeepseekV3 model. Also returns each refined layer's relative output error before/after."""
+    from attnsurg.calibrate import second_moment
+
+    config = deepseek_config(source, plan)
+    config._attn_implementation = "sdpa"  # standalone modules in refinement; the mask is passed explicitly
+    source_rope = source.get_submodule(family.rotary_path)
+    layers, errors = [], []
+    for index, x in enumerate(inputs):
         attn = source.get_submodule(f"{family.layers_path}.{index}.{family.attention_attr}")
-        layers.append(fit_layer(attn, sigma, plan, weighted))
+        weights = fit_layer(attn, second_moment(x), plan, weighted)
+        if refine_steps:
+            windows = max(1, refine_tokens // x.shape[1])
+            weights, before, after = refine_layer(attn, source_rope, weights, config, index, x[:windows], refine_steps, refine_lr)
+            errors.append((before, after))
+        layers.append(weights)
         if progress:
-            progress()
-    return assemble(source, family, plan, layers)
+            progress(note=f"layer error {errors[-1][0]:.3f} -> {errors[-1][1]:.3f}" if errors else "")
+    return assemble(source, family, plan, layers), errors

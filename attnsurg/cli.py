@@ -243,6 +243,10 @@ def convert(
     ] = None,
     kv_rank: Annotated[Optional[int], typer.Option("--kv-rank", help="Latent rank (instead of --kv-budget).")] = None,
     rope_dim: Annotated[Optional[int], typer.Option("--rope-dim", help="Dims of the shared RoPE key (even, <= head dim).")] = None,
+    rope_layout: Annotated[
+        str,
+        typer.Option("--rope-layout", help="standard (every engine) or flexible (any frequency, repeats; transformers only)."),
+    ] = "standard",
     calib_dataset: Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")] = "wiki-sample",
     calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")] = None,
     calib_tokens: Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")] = 4096,
@@ -275,6 +279,7 @@ def convert(
         kv_budget=kv_budget,
         kv_rank=kv_rank,
         rope_dim=rope_dim,
+        rope_layout=rope_layout,
         weighted=not unweighted,
         refine_steps=refine_steps,
         refine_tokens=refine_tokens,
@@ -292,7 +297,8 @@ def convert(
                   "layer_errors": report.layer_errors}
         print(json.dumps(record, indent=2))
         return
-    table = Table(title=f"MLA plan for {model} (identical in every layer)", title_justify="left")
+    title = f"MLA plan for {model}, {report.plan.layout} RoPE layout (identical in every layer)"
+    table = Table(title=title, title_justify="left")
     for column in ("layers", "latent rank", "RoPE dims", "qk nope dim", "KV values/token", "attention params/layer"):
         table.add_column(column, justify="right")
     r = rows[0]

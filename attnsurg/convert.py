@@ -71,7 +71,7 @@ def command_line() -> str:
 
 def plan_request(request: ConvertMLA):
     source, _, anatomy = inspect_model(request.model)
-    plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim)
+    plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim, request.rope_layout)
     return source, anatomy, plan
 
 
@@ -92,10 +92,11 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
     windows = calibration_windows(tokenizer, calib.data, calib.tokens, min(calib.seq_len, anatomy.max_positions or calib.seq_len))
     inputs = attention_inputs(model, family, windows)
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
-        converted, report.layer_errors = convert(
+        result = convert(
             model, family, inputs, plan, request.weighted,
             request.refine_steps, request.refine_tokens, request.refine_lr, progress=advance,
         )
+    converted, report.plan, report.layer_errors = result.model, result.plan, result.layer_errors
     del inputs
     if request.eval_tokens:
         eval_data = TextData(dataset=calib.data.dataset, text=calib.data.text, part="eval")
@@ -114,6 +115,16 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
         write_checkpoint(converted, tokenizer, request.output, card, request.overwrite, extra_files={"attnsurg_recipe.yaml": recipe})
     )
     return report
+
+
+LAYOUT_NOTES = {
+    "standard": "The RoPE key uses the standard interleaved layout (`rope_interleave: true`) with plain RoPE at "
+    "the kept frequencies (`rope_theta` adjusted), which vLLM and SGLang read as well.",
+    "flexible": "The RoPE key uses the flexible layout: a frequency may appear once per original KV head, "
+    "expressed with transformers' `longrope` per-pair factors. Stock transformers reads it; DeepSeek loaders in "
+    "vLLM and SGLang expect plain or YaRN RoPE and do not read it. Convert with `--rope-layout standard` "
+    "for those engines.",
+}
 
 
 def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
@@ -136,14 +147,14 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
         title=f"{request.model.ref} as multi-head latent attention (DeepseekV3)",
         summary=(
             "Attention converted from grouped-query to DeepSeek-style multi-head latent attention by attnsurg. "
-            "Loads with stock transformers (`model_type: deepseek_v3`, no remote code); the RoPE key uses the "
-            "standard interleaved layout (`rope_interleave: true`) that vLLM and SGLang read."
+            "Loads with stock transformers (`model_type: deepseek_v3`, no remote code). " + LAYOUT_NOTES[plan.layout]
         ),
         base_model=request.model.ref if "/" in request.model.ref and not request.model.ref.startswith((".", "/")) else None,
         command=command_line(),
         details=[
             f"KV budget: {plan.cached_values} of {plan.original_values} values per layer per token "
-            f"(latent {plan.kv_rank} + 1 norm channel + {plan.rope_dim} RoPE dims)",
+            f"(latent {plan.kv_rank} + 1 norm channel + {plan.rope_dim} RoPE dims, {plan.layout} layout; "
+            f"RoPE components kept per frequency, highest first: {list(plan.counts)})",
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}",
             f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "
             + (f"then {request.refine_steps} Adam steps per layer on {request.refine_tokens} tokens against the "

@@ -88,6 +88,7 @@ class ConvertMLA(Strict):
     kv_budget: float | None = None
     kv_rank: int | None = None
     rope_dim: int | None = None
+    rope_layout: Literal["standard", "flexible"] = "standard"
     weighted: bool = True
     refine_steps: int = Field(20, ge=0)
     refine_tokens: int = Field(2048, gt=0)

@@ -67,7 +67,7 @@ def main() -> None:
         windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
         inputs = attention_inputs(model, family, windows)
         plan = plan_mla(anatomy, kv_budget=budget)
-        mla, _ = convert(model, family, inputs, plan, not args.unweighted, args.refine_steps, args.refine_tokens)
+        mla = convert(model, family, inputs, plan, not args.unweighted, args.refine_steps, args.refine_tokens).model
         seconds = time.perf_counter() - start
         ppl = perplexity_of(mla, tokens, eval_plan)
         rows.append({"budget": budget, "values": plan.cached_values, "rope_dim": plan.rope_dim, "kv_rank": plan.kv_rank,

@@ -21,7 +21,7 @@ LLAMA = family_for_surgery("llama")
 
 def converted_error(model, plan, ids, weighted=True, refine_steps=0) -> float:
     windows = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
-    mla, _ = convert(model, LLAMA, attention_inputs(model, LLAMA, windows), plan, weighted, refine_steps)
+    mla = convert(model, LLAMA, attention_inputs(model, LLAMA, windows), plan, weighted, refine_steps).model
     with torch.no_grad():
         return (mla(ids).logits - model(ids).logits).abs().max().item()
 
@@ -46,7 +46,8 @@ def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
         reference = model(held_out).logits
 
     def relative_logit_error(steps: int) -> tuple[float, list]:
-        mla, errors = convert(model, LLAMA, inputs, plan, refine_steps=steps, refine_tokens=512, refine_lr=3e-3)
+        result = convert(model, LLAMA, inputs, plan, refine_steps=steps, refine_tokens=512, refine_lr=3e-3)
+        mla, errors = result.model, result.layer_errors
         with torch.no_grad():
             return ((mla(held_out).logits - reference).pow(2).mean() / reference.pow(2).mean()).item(), errors
 
@@ -54,6 +55,24 @@ def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
     refined, errors = relative_logit_error(40)
     assert len(errors) == 2 and all(after < 0.5 * before for before, after in errors), errors
     assert refined < 0.9 * closed_form
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_full_budget_flexible_layout_is_exact_for_gqa_and_mha(kv_heads):
+    """The flexible layout keeps every RoPE component of every frequency: nothing is lost at full budget."""
+    model = build_tiny("llama", 384, num_key_value_heads=kv_heads)
+    plan = plan_mla(inspect_config(model.config), kv_budget=1.0, layout="flexible")
+    assert plan.rope_dim == kv_heads * 16 and plan.cached_values == plan.original_values + 1
+    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
+    assert converted_error(model, plan, ids) < 1e-4
+
+
+def test_flexible_layout_spends_rope_on_high_frequencies_first():
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_rank=16, rope_dim=16, layout="flexible")
+    windows = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(1))
+    counts = convert(model, LLAMA, attention_inputs(model, LLAMA, windows), plan).plan.counts
+    assert sum(counts) == 8 and counts[-1] == 0 and counts[0] >= counts[-2]  # the lowest frequency barely rotates
 
 
 def test_error_falls_as_the_latent_grows():
@@ -92,7 +111,7 @@ def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
     source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
     plan = plan_mla(inspect_config(source.config), kv_budget=0.5)
     windows = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
-    mla, _ = convert(source, LLAMA, attention_inputs(source, LLAMA, windows), plan, refine_steps=5)
+    mla = convert(source, LLAMA, attention_inputs(source, LLAMA, windows), plan, refine_steps=5).model
     mla.save_pretrained(tmp_path / "m")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     ids = torch.arange(30)[None]
@@ -107,6 +126,8 @@ def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
         ({"kv_budget": 1.5}, "must be in (0, 1]"),
         ({"kv_rank": 8, "rope_dim": 7}, "must be even"),
         ({"kv_rank": 8, "rope_dim": 32}, "head dim (16)"),
+        ({"kv_rank": 8, "rope_dim": 34, "layout": "flexible"}, "KV heads x head dim (32)"),
+        ({"kv_budget": 0.5, "layout": "diagonal"}, "unknown RoPE layout"),
         ({"kv_rank": 1000, "rope_dim": 16}, "above the full rank"),
         ({"kv_budget": 0.5, "kv_rank": 8}, "not both"),
     ],

@@ -24,7 +24,7 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedModel
@@ -67,6 +67,16 @@ class MLAPlan:
     head_dim: int
     rope_dim: int
     kv_rank: int
+    layout: str = "standard"
+    rope_counts: tuple[int, ...] | None = None  # flexible layout: RoPE components kept per frequency
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Per frequency i (highest first), how many mixed key components keep RoPE."""
+        if self.rope_counts is not None:
+            return self.rope_counts
+        kept = self.rope_dim // 2
+        return tuple(1 if i < kept else 0 for i in range(self.head_dim // 2))
 
     @property
     def original_values(self) -> int:
@@ -91,9 +101,12 @@ class MLAPlan:
         return self.kv_rank + 1 + self.rope_dim
 
 
-def default_rope_dim(values: int, head_dim: int) -> int:
-    """All frequencies when the budget allows it, else half the budget (keeping room for the latent)."""
-    return min(head_dim, 2 * (values // 4))
+LAYOUTS = ("standard", "flexible")
+
+
+def default_rope_dim(values: int, max_rope: int) -> int:
+    """As much RoPE as the layout holds when the budget allows it, else half the budget (room for the latent)."""
+    return min(max_rope, 2 * (values // 4))
 
 
 def plan_mla(
@@ -101,6 +114,7 @@ def plan_mla(
     kv_budget: float | None = None,
     kv_rank: int | None = None,
     rope_dim: int | None = None,
+    layout: str = "standard",
 ) -> MLAPlan:
     """Turn a budget (fraction of the original KV cache) or explicit sizes into a plan; clear errors otherwise."""
     reason = unsupported_reason(anatomy)
@@ -109,6 +123,10 @@ def plan_mla(
         raise UserError(f"cannot convert to MLA: {reason}")
     d, G = anatomy.head_dim, anatomy.num_kv_heads
     original = 2 * G * d
+    if layout not in LAYOUTS:
+        raise UserError(f"unknown RoPE layout '{layout}'; choose {' or '.join(LAYOUTS)}")
+    # The standard layout holds each frequency once; the flexible one up to G times (one per KV head).
+    max_rope = d if layout == "standard" else G * d
     if kv_budget is not None and (kv_rank is not None):
         raise UserError("give either --kv-budget or --kv-rank (with --rope-dim), not both")
     if kv_budget is None and kv_rank is None:
@@ -117,12 +135,13 @@ def plan_mla(
         if not 0 < kv_budget <= 1:
             raise UserError(f"--kv-budget must be in (0, 1], got {kv_budget}")
         values = max(2, round(kv_budget * original))
-        rope_dim = default_rope_dim(values, d) if rope_dim is None else rope_dim
+        rope_dim = default_rope_dim(values, max_rope) if rope_dim is None else rope_dim
         kv_rank = values - rope_dim  # the latent-norm channel is one extra value on top of the budget
     rope_dim = d if rope_dim is None else rope_dim
-    if rope_dim < 2 or rope_dim % 2 or rope_dim > d:
-        raise UserError(f"--rope-dim must be even and between 2 and the head dim ({d}), got {rope_dim}")
-    plan = MLAPlan(anatomy.num_layers, anatomy.num_heads, G, d, rope_dim, int(kv_rank))
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
+        where = f"the head dim ({d})" if layout == "standard" else f"KV heads x head dim ({max_rope})"
+        raise UserError(f"--rope-dim must be even and between 2 and {where} for the {layout} layout, got {rope_dim}")
+    plan = MLAPlan(anatomy.num_layers, anatomy.num_heads, G, d, rope_dim, int(kv_rank), layout)
     if plan.kv_rank < 1:
         raise UserError(f"the budget leaves no latent after {rope_dim} RoPE dims; raise --kv-budget or lower --rope-dim")
     if plan.kv_rank > plan.full_rank:
@@ -154,26 +173,65 @@ def frequency_rows(head: int, i: int, d: int) -> list[int]:
     return [head * d + i, head * d + i + d // 2]
 
 
-def rorope_bases(Wk: torch.Tensor, sigma: torch.Tensor, G: int, d: int) -> list[torch.Tensor]:
-    """Per frequency, the orthogonal G x G mix (rows = components, strongest first) from the key PCA."""
-    bases = []
+def rorope_bases(Wk: torch.Tensor, sigma: torch.Tensor, G: int, d: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per frequency, the orthogonal G x G mix (rows = components, strongest first) from the key PCA, and
+    each component's energy."""
+    bases, energies = [], []
     for i in range(d // 2):
         energy = torch.zeros(G, G, dtype=torch.float64)
         for c in range(2):
             rows = Wk[[frequency_rows(g, i, d)[c] for g in range(G)]]
             energy += rows @ sigma @ rows.T
         eigenvalues, eigenvectors = torch.linalg.eigh(energy)
-        bases.append(eigenvectors[:, eigenvalues.argsort(descending=True)].T)
-    return bases
+        order = eigenvalues.argsort(descending=True)
+        bases.append(eigenvectors[:, order].T)
+        energies.append(eigenvalues[order])
+    return bases, energies
 
 
 def split_components(plan: MLAPlan) -> tuple[list, list]:
-    """(j, i, c) triples: RoPE keeps component 0 of the R/2 highest frequencies, in DeepSeek's interleaved order."""
-    d, G = plan.head_dim, plan.num_kv_heads
-    rope = [(0, i, c) for i in range(plan.rope_dim // 2) for c in range(2)]
+    """(j, i, c) triples: RoPE keeps components j < counts[i] of frequency i, pairs in DeepSeek's interleaved
+    order (c = 0, 1 adjacent); everything else goes to the no-RoPE key."""
+    counts = plan.counts
+    rope = [(j, i, c) for i in range(plan.head_dim // 2) for j in range(counts[i]) for c in range(2)]
     kept = set(rope)
-    nope = [(j, i, c) for j in range(G) for i in range(d // 2) for c in range(2) if (j, i, c) not in kept]
-    return rope, nope
+    nope = [(j, i, c) for j in range(plan.num_kv_heads) for i in range(plan.head_dim // 2) for c in range(2)]
+    return rope, [t for t in nope if t not in kept]
+
+
+def rope_frequencies(plan: MLAPlan, inv_freq: torch.Tensor) -> list[float]:
+    """The frequency of each RoPE pair of the converted key, in layout order."""
+    return [float(inv_freq[i]) for i in range(plan.head_dim // 2) for _ in range(plan.counts[i])]
+
+
+def rope_scores(attn, sigma: torch.Tensor, plan: MLAPlan, inv_freq: torch.Tensor, context: int) -> torch.Tensor:
+    """[d/2, G] importance of keeping RoPE on component j of frequency i, strongest component first.
+
+    sqrt(key energy of the component x query energy at the frequency), times 1 - E[cos(w Delta)] for a
+    distance Delta uniform over the context: what the score loses when that component stops rotating.
+    Low frequencies barely rotate within a context and score near zero."""
+    d, G = plan.head_dim, plan.num_kv_heads
+    Wq = augmented(attn.q_proj.weight, attn.q_proj.bias)
+    Wk = augmented(attn.k_proj.weight, attn.k_proj.bias)
+    _, energies = rorope_bases(Wk, sigma, G, d)
+    scores = torch.zeros(d // 2, G, dtype=torch.float64)
+    for i in range(d // 2):
+        rows = Wq[[r for h in range(plan.num_heads) for r in frequency_rows(h, i, d)]]
+        query_energy = torch.einsum("rd,de,re->", rows, sigma, rows)
+        angle = float(inv_freq[i]) * context
+        still = math.sin(angle) / angle if angle > 0 else 1.0
+        scores[i] = (energies[i].clamp_min(0) * query_energy).sqrt() * (1 - still)
+    return scores
+
+
+def allocate_rope(plan: MLAPlan, scores: torch.Tensor) -> MLAPlan:
+    """Flexible layout: keep RoPE on the rope_dim / 2 (frequency, component) pairs with the highest summed
+    score. Components are sorted strongest first, so the choice per frequency is a prefix (counts)."""
+    chosen = scores.flatten().argsort(descending=True)[: plan.rope_dim // 2]
+    counts = torch.zeros(scores.shape[0], dtype=torch.long)
+    for index in chosen.tolist():
+        counts[index // scores.shape[1]] += 1
+    return replace(plan, rope_counts=tuple(counts.tolist()))
 
 
 def sqrt_and_inverse_sqrt(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +283,7 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True) -
     Wv = augmented(attn.v_proj.weight, attn.v_proj.bias)
     Wo = attn.o_proj.weight
     group = H // G
-    bases = rorope_bases(Wk, sigma, G, d)
+    bases, _ = rorope_bases(Wk, sigma, G, d)
     rope, nope = split_components(plan)
 
     def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -277,11 +335,33 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True) -
 
 
 # ----------------------------------------------------------------------------------- the model
-def deepseek_config(source: PreTrainedModel, plan: MLAPlan) -> DeepseekV3Config:
-    """A complete DeepseekV3 config: every MLP dense, no q LoRA, interleaved RoPE at the kept frequencies."""
+def flexible_rope_parameters(plan: MLAPlan, inv_freq: torch.Tensor, theta: float, max_positions: int) -> dict:
+    """transformers' longrope type with one factor per pair expresses any frequency list:
+    inv_freq_m = 1 / (factor_m * theta^(2m/R)); equal short and long factors and attention_factor 1."""
+    R = plan.rope_dim
+    factors = [1.0 / (w * theta ** (2 * m / R)) for m, w in enumerate(rope_frequencies(plan, inv_freq))]
+    return {
+        "rope_type": "longrope",
+        "rope_theta": theta,
+        "short_factor": factors,
+        "long_factor": factors,
+        "factor": 1.0,
+        "attention_factor": 1.0,
+        "original_max_position_embeddings": max_positions,
+    }
+
+
+def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tensor | None = None) -> DeepseekV3Config:
+    """A complete DeepseekV3 config: every MLP dense, no q LoRA, interleaved RoPE at the kept frequencies.
+
+    Standard layout: the R/2 highest frequencies, by rope_theta = theta^(R/d) (every engine reads it).
+    Flexible layout: any frequency list, repeats included, through longrope per-pair factors."""
     c = source.config
     rope = dict(c.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
-    rope["rope_theta"] = float(rope["rope_theta"]) ** (plan.rope_dim / plan.head_dim)
+    if plan.layout == "flexible":
+        rope = flexible_rope_parameters(plan, inv_freq, float(rope["rope_theta"]), c.max_position_embeddings)
+    else:
+        rope["rope_theta"] = float(rope["rope_theta"]) ** (plan.rope_dim / plan.head_dim)
     return DeepseekV3Config(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -319,7 +399,7 @@ def deepseek_config(source: PreTrainedModel, plan: MLAPlan) -> DeepseekV3Config:
 @torch.no_grad()
 def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: list[MLAWeights]) -> DeepseekV3ForCausalLM:
     """A DeepseekV3 model with the source's embeddings, norms and MLPs and the converted attention."""
-    config = deepseek_config(source, plan)
+    config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
     model = DeepseekV3ForCausalLM(config).to(source.dtype)
     attention_prefix = f".{family.attention_attr}."
     state = {k: v for k, v in source.state_dict().items() if attention_prefix not in k}
@@ -341,6 +421,15 @@ def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: lis
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+@dataclass
+class MLAConversion:
+    """A converted model, its plan (RoPE allocation filled in) and each refined layer's output error."""
+
+    model: DeepseekV3ForCausalLM
+    plan: MLAPlan
+    layer_errors: list[tuple[float, float]]
 
 
 # ---------------------------------------------------------------------------------- refinement
@@ -429,18 +518,23 @@ def convert(
     refine_tokens: int = 2048,
     refine_lr: float = 1e-3,
     progress=None,
-) -> tuple[DeepseekV3ForCausalLM, list[tuple[float, float]]]:
+) -> MLAConversion:
     """Convert every layer (closed form from the calibration inputs' second moment, then optional refinement)
-    and assemble the DeepseekV3 model. Also returns each refined layer's relative output error before/after."""
+    and assemble the DeepseekV3 model."""
     from attnsurg.calibrate import second_moment
 
-    config = deepseek_config(source, plan)
-    config._attn_implementation = "sdpa"  # standalone modules in refinement; the mask is passed explicitly
+    attentions = [source.get_submodule(f"{family.layers_path}.{i}.{family.attention_attr}") for i in range(len(inputs))]
+    sigmas = [second_moment(x) for x in inputs]
     source_rope = source.get_submodule(family.rotary_path)
+    if plan.layout == "flexible" and plan.rope_counts is None:
+        context = max(x.shape[1] for x in inputs)
+        scores = sum(rope_scores(a, s, plan, source_rope.inv_freq, context) for a, s in zip(attentions, sigmas))
+        plan = allocate_rope(plan, scores)
+    config = deepseek_config(source, plan, source_rope.inv_freq)
+    config._attn_implementation = "sdpa"  # standalone modules in refinement; the mask is passed explicitly
     layers, errors = [], []
-    for index, x in enumerate(inputs):
-        attn = source.get_submodule(f"{family.layers_path}.{index}.{family.attention_attr}")
-        weights = fit_layer(attn, second_moment(x), plan, weighted)
+    for index, (attn, sigma, x) in enumerate(zip(attentions, sigmas, inputs)):
+        weights = fit_layer(attn, sigma, plan, weighted)
         if refine_steps:
             windows = max(1, refine_tokens // x.shape[1])
             weights, before, after = refine_layer(attn, source_rope, weights, config, index, x[:windows], refine_steps, refine_lr)
@@ -448,4 +542,4 @@ def convert(
         layers.append(weights)
         if progress:
             progress(note=f"layer error {errors[-1][0]:.3f} -> {errors[-1][1]:.3f}" if errors else "")
-    return assemble(source, family, plan, layers), errors
+    return MLAConversion(assemble(source, family, plan, layers), plan, errors)

@@ -36,7 +36,7 @@ def test_python_dash_m_works():
     assert result.returncode == 0 and "attnsurg" in result.stdout
 
 
-def test_info_table_and_json(tiny_checkpoints):
+def test_info_table_and_json(tiny_checkpoints, corpus_file, tmp_path):
     path = tiny_checkpoints["qwen2"]
     table = invoke("info", path)
     assert table.exit_code == 0
@@ -44,9 +44,12 @@ def test_info_table_and_json(tiny_checkpoints):
         assert fragment in table.stdout
     record = json.loads(invoke("info", path, "--json").stdout)
     assert record["anatomy"]["num_kv_heads"] == 2 and record["anatomy"]["kv_bytes_per_token"] == 512
-    assert record["methods"]["mla"] == "query biases are not yet supported"
-    llama = json.loads(invoke("info", tiny_checkpoints["llama-gqa"], "--json").stdout)
-    assert llama["methods"]["mla"] is None
+    assert record["methods"]["mla"] is None
+    mla_output = tmp_path / "mla"
+    assert invoke("convert", path, "--kv-budget", "0.5", "--calib-text", corpus_file, "--calib-tokens", "256",
+                  "--refine-steps", "0", "--eval-tokens", "0", "-o", mla_output).exit_code == 0
+    converted = json.loads(invoke("info", mla_output, "--json").stdout)
+    assert converted["anatomy"]["attention_kind"] == "mla" and converted["methods"]["mla"] is not None
 
 
 def test_eval_two_models_table_and_json(tiny_checkpoints, corpus_file):

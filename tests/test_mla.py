@@ -57,10 +57,11 @@ def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
     assert refined < 0.9 * closed_form
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4])
-def test_full_budget_flexible_layout_is_exact_for_gqa_and_mha(kv_heads):
-    """The flexible layout keeps every RoPE component of every frequency: nothing is lost at full budget."""
-    model = build_tiny("llama", 384, num_key_value_heads=kv_heads)
+@pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2)])
+def test_full_budget_flexible_layout_is_exact(family, kv_heads):
+    """The flexible layout keeps every RoPE component of every frequency: nothing is lost at full budget
+    (GQA, MHA, and Qwen2 with q/k/v biases through the q_a / q_b route)."""
+    model = build_tiny(family, 384, num_key_value_heads=kv_heads)
     plan = plan_mla(inspect_config(model.config), kv_budget=1.0, layout="flexible")
     assert plan.rope_dim == kv_heads * 16 and plan.cached_values == plan.original_values + 1
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -83,7 +84,7 @@ def test_error_falls_as_the_latent_grows():
     assert errors == sorted(errors, reverse=True), errors
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha", "mistral"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha", "mistral", "qwen2"])
 def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, tiny_checkpoints, corpus_file, tmp_path):
     request = ConvertMLA(
         model=ModelRef(ref=str(tiny_checkpoints[variant])),

@@ -16,6 +16,9 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
    and a constant bias C >> |latent| makes the RMS the same for every token (C / sqrt(r + 1) up to a
    relative |c|^2 / 2C^2), and the norm weight undoes it, so the latent passes through unchanged.
 5. The softmax scale of DeepseekV3 is (qk_nope + R)^-1/2: the ratio to the original d^-1/2 is folded into q.
+   Query biases (Qwen2) have no place in DeepseekV3's plain q_proj, so such models route q through
+   q_a -> q_a_layernorm -> q_b: q_a is the identity plus one constant channel (the same norm trick), which the
+   norm turns into exactly 1, and q_b's column for it is the bias.
 6. Refinement (optional, from the closed form): per layer, Adam on q_proj, kv_a and kv_b minimizes the relative
    squared error between the converted attention's output and the original layer's, on the original model's
    calibration inputs (layer-wise reconstruction as in BRECQ, Li et al. 2021). The norm channel stays frozen.
@@ -47,8 +50,6 @@ def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
         return "sliding-window attention cannot be expressed as MLA"
     if anatomy.qk_norm:
         return "q/k norms cannot be expressed as MLA"
-    if anatomy.q_bias:
-        return "query biases are not yet supported"
     if anatomy.rope_type not in SUPPORTED_ROPE:
         return f"RoPE type '{anatomy.rope_type}' (supported: {', '.join(SUPPORTED_ROPE)})"
     return None
@@ -69,6 +70,7 @@ class MLAPlan:
     kv_rank: int
     layout: str = "standard"
     rope_counts: tuple[int, ...] | None = None  # flexible layout: RoPE components kept per frequency
+    query_bias: bool = False  # route q through q_a / q_b to carry the bias
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -141,7 +143,7 @@ def plan_mla(
     if rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
         where = f"the head dim ({d})" if layout == "standard" else f"KV heads x head dim ({max_rope})"
         raise UserError(f"--rope-dim must be even and between 2 and {where} for the {layout} layout, got {rope_dim}")
-    plan = MLAPlan(anatomy.num_layers, anatomy.num_heads, G, d, rope_dim, int(kv_rank), layout)
+    plan = MLAPlan(anatomy.num_layers, anatomy.num_heads, G, d, rope_dim, int(kv_rank), layout, query_bias=anatomy.q_bias)
     if plan.kv_rank < 1:
         raise UserError(f"the budget leaves no latent after {rope_dim} RoPE dims; raise --kv-budget or lower --rope-dim")
     if plan.kv_rank > plan.full_rank:
@@ -155,6 +157,7 @@ class MLAWeights:
     """One converted layer, in float64: DeepseekV3 attention parameters."""
 
     q_proj: torch.Tensor  # [H * (qk_nope + R), D]
+    q_bias: torch.Tensor  # [H * (qk_nope + R)], zero without query biases
     kv_a_weight: torch.Tensor  # [r + 1 + R, D]
     kv_a_bias: torch.Tensor  # [r + 1 + R]
     kv_a_norm: torch.Tensor  # [r + 1]
@@ -313,8 +316,6 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True) -
 
     scale = math.sqrt((plan.qk_nope_dim + R) / d)
     q_proj = torch.cat([torch.cat([Q_nope[h], Q_rope[h]]) for h in range(H)]) * scale
-    if q_proj[:, -1].abs().max() > 0:
-        raise UserError("cannot convert to MLA: query biases are not yet supported")
 
     # Latent norm: channel r is a constant C; the RMS is then C / sqrt(r + 1) for every token.
     rms = NORM_CONSTANT / math.sqrt(r + 1)
@@ -331,7 +332,7 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True) -
     kv_b = torch.cat(kv_b_rows)
     kv_b = torch.cat([kv_b, zero_column.expand(kv_b.shape[0], 1)], dim=1)
     o_bias = attn.o_proj.bias.double() if attn.o_proj.bias is not None else torch.zeros(Wo.shape[0], dtype=torch.float64)
-    return MLAWeights(q_proj[:, :-1], kv_a[:, :-1], kv_a[:, -1], kv_a_norm, kv_b, o_bias)
+    return MLAWeights(q_proj[:, :-1], q_proj[:, -1], kv_a[:, :-1], kv_a[:, -1], kv_a_norm, kv_b, o_bias)
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -377,7 +378,7 @@ def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tens
         topk_group=1,
         first_k_dense_replace=c.num_hidden_layers,
         kv_lora_rank=plan.kv_rank + 1,
-        q_lora_rank=None,
+        q_lora_rank=c.hidden_size + 1 if plan.query_bias else None,
         qk_rope_head_dim=plan.rope_dim,
         qk_nope_head_dim=plan.qk_nope_dim,
         v_head_dim=plan.head_dim,
@@ -396,6 +397,39 @@ def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tens
     )
 
 
+def query_route(w: MLAWeights) -> dict[str, torch.Tensor]:
+    """q_a = [I; 0] with bias [0; C]: the norm divides by ~C / sqrt(D + 1) for every token (relative error
+    |x|^2 / 2C^2); its weight undoes that on x and maps the constant channel to exactly 1, and q_b's column for
+    that channel is the query bias."""
+    hidden = w.q_proj.shape[1]
+    q_a = torch.cat([torch.eye(hidden, dtype=torch.float64), torch.zeros(1, hidden, dtype=torch.float64)])
+    q_a_bias = torch.zeros(hidden + 1, dtype=torch.float64)
+    q_a_bias[-1] = NORM_CONSTANT
+    rms = NORM_CONSTANT / math.sqrt(hidden + 1)
+    norm = torch.full((hidden + 1,), rms, dtype=torch.float64)
+    norm[-1] = 1 / math.sqrt(hidden + 1)
+    return {
+        "q_a_proj.weight": q_a,
+        "q_a_proj.bias": q_a_bias,
+        "q_a_layernorm.weight": norm,
+        "q_b_proj.weight": torch.cat([w.q_proj, w.q_bias[:, None]], dim=1),
+    }
+
+
+def attention_state(w: MLAWeights, o_weight: torch.Tensor, query_bias: bool) -> dict[str, torch.Tensor]:
+    """The state dict of one DeepseekV3 attention module holding a converted layer."""
+    state = query_route(w) if query_bias else {"q_proj.weight": w.q_proj}
+    state.update({
+        "kv_a_proj_with_mqa.weight": w.kv_a_weight,
+        "kv_a_proj_with_mqa.bias": w.kv_a_bias,
+        "kv_a_layernorm.weight": w.kv_a_norm,
+        "kv_b_proj.weight": w.kv_b_proj,
+        "o_proj.weight": o_weight,
+        "o_proj.bias": w.o_bias,
+    })
+    return state
+
+
 @torch.no_grad()
 def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: list[MLAWeights]) -> DeepseekV3ForCausalLM:
     """A DeepseekV3 model with the source's embeddings, norms and MLPs and the converted attention."""
@@ -405,14 +439,8 @@ def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: lis
     state = {k: v for k, v in source.state_dict().items() if attention_prefix not in k}
     for index, w in enumerate(layers):
         prefix = f"{family.layers_path}.{index}.{family.attention_attr}."
-        source_attn = source.get_submodule(prefix[:-1])
-        state[prefix + "q_proj.weight"] = w.q_proj
-        state[prefix + "kv_a_proj_with_mqa.weight"] = w.kv_a_weight
-        state[prefix + "kv_a_proj_with_mqa.bias"] = w.kv_a_bias
-        state[prefix + "kv_a_layernorm.weight"] = w.kv_a_norm
-        state[prefix + "kv_b_proj.weight"] = w.kv_b_proj
-        state[prefix + "o_proj.weight"] = source_attn.o_proj.weight
-        state[prefix + "o_proj.bias"] = w.o_bias
+        o_weight = source.get_submodule(prefix + "o_proj").weight
+        state.update({prefix + k: v for k, v in attention_state(w, o_weight, plan.query_bias).items()})
     state = {k: v.to(source.dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
@@ -442,15 +470,7 @@ def causal_mask(length: int) -> torch.Tensor:
 def mla_attention(config: DeepseekV3Config, index: int, w: MLAWeights, o_weight: torch.Tensor) -> DeepseekV3Attention:
     """A float32 DeepseekV3 attention module holding one converted layer."""
     attention = DeepseekV3Attention(config, index)
-    state = {
-        "q_proj.weight": w.q_proj,
-        "kv_a_proj_with_mqa.weight": w.kv_a_weight,
-        "kv_a_proj_with_mqa.bias": w.kv_a_bias,
-        "kv_a_layernorm.weight": w.kv_a_norm,
-        "kv_b_proj.weight": w.kv_b_proj,
-        "o_proj.weight": o_weight,
-        "o_proj.bias": w.o_bias,
-    }
+    state = attention_state(w, o_weight, config.q_lora_rank is not None)
     attention.load_state_dict({k: v.detach().float() for k, v in state.items()})
     return attention
 
@@ -459,6 +479,9 @@ def freeze_norm_channel(attention: DeepseekV3Attention, rank: int) -> list[torch
     """Trainable parameters, with the latent-norm channel (row ``rank`` of kv_a) kept at its constant."""
     attention.kv_a_layernorm.weight.requires_grad_(False)
     attention.o_proj.requires_grad_(False)
+    if attention.q_a_proj is not None:  # the query route is fixed; q_b (weights and bias column) trains
+        attention.q_a_proj.requires_grad_(False)
+        attention.q_a_layernorm.requires_grad_(False)
     keep = torch.ones(attention.kv_a_proj_with_mqa.weight.shape[0], 1)
     keep[rank] = 0
     attention.kv_a_proj_with_mqa.weight.register_hook(lambda g: g * keep)
@@ -496,8 +519,14 @@ def refine_layer(
         after = relative_error().item()
     if after >= before:
         return w, before, before
+    if attention.q_b_proj is not None:
+        q_b = attention.q_b_proj.weight.detach().double()
+        q_proj, q_bias = q_b[:, :-1], q_b[:, -1]
+    else:
+        q_proj, q_bias = attention.q_proj.weight.detach().double(), w.q_bias
     refined = MLAWeights(
-        q_proj=attention.q_proj.weight.detach().double(),
+        q_proj=q_proj,
+        q_bias=q_bias,
         kv_a_weight=attention.kv_a_proj_with_mqa.weight.detach().double(),
         kv_a_bias=attention.kv_a_proj_with_mqa.bias.detach().double(),
         kv_a_norm=w.kv_a_norm,

@@ -1,7 +1,7 @@
 """MLA conversion of the demo model at several KV budgets, against the original in the same run.
 
     python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--unweighted]
-                                    [--refine-steps 20] [--refine-tokens 2048]
+                                    [--refine-steps 20] [--refine-tokens 2048] [--rope-layout standard]
 
 Calibrates on the calibration half of wiki-sample, evaluates on the first WINDOWS x 1024 tokens of its
 evaluation half (disjoint windows, fp32), converts in memory (closed form, then --refine-steps of layer-wise
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=4096)
     parser.add_argument("--unweighted", action="store_true")
     parser.add_argument("--refine-steps", type=int, default=20)
+    parser.add_argument("--rope-layout", default="standard", choices=["standard", "flexible"])
     parser.add_argument("--refine-tokens", type=int, default=2048)
     parser.add_argument("--context", type=int, default=4096)
     args = parser.parse_args()
@@ -66,11 +67,13 @@ def main() -> None:
         start = time.perf_counter()
         windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
         inputs = attention_inputs(model, family, windows)
-        plan = plan_mla(anatomy, kv_budget=budget)
-        mla = convert(model, family, inputs, plan, not args.unweighted, args.refine_steps, args.refine_tokens).model
+        result = convert(model, family, inputs, plan_mla(anatomy, kv_budget=budget, layout=args.rope_layout),
+                         not args.unweighted, args.refine_steps, args.refine_tokens)
+        mla, plan = result.model, result.plan
         seconds = time.perf_counter() - start
         ppl = perplexity_of(mla, tokens, eval_plan)
         rows.append({"budget": budget, "values": plan.cached_values, "rope_dim": plan.rope_dim, "kv_rank": plan.kv_rank,
+                     "rope_counts": list(plan.counts),
                      "ppl": ppl, "ratio": ppl / original, "convert_s": seconds, "cache_bytes": cache_bytes_at(mla, args.context)})
         del mla
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
@@ -80,7 +83,7 @@ def main() -> None:
         layout = f"{r['rope_dim']} + {r['kv_rank']} + 1" if "rope_dim" in r else "original"
         print(f"| {r['budget']} | {r['values']} | {layout} | {r['ppl']:.3f} | {r['ratio']:.3f} | {r['convert_s']:.1f} | {r['cache_bytes']:,} |")
     print(f"\npeak memory of this process: {peak:.2f} GB; weighted latent: {not args.unweighted}; "
-          f"refinement: {args.refine_steps} steps on {args.refine_tokens} tokens")
+          f"refinement: {args.refine_steps} steps on {args.refine_tokens} tokens; RoPE layout: {args.rope_layout}")
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
     (results / "mla_budget.json").write_text(json.dumps({"rows": rows, "peak_memory_gb": peak}, indent=2))

@@ -68,12 +68,11 @@ def test_full_budget_flexible_layout_is_exact(family, kv_heads):
     assert converted_error(model, plan, ids) < 1e-4
 
 
-def test_flexible_layout_spends_rope_on_high_frequencies_first():
-    model = build_tiny("llama", 384, num_key_value_heads=2)
-    plan = plan_mla(inspect_config(model.config), kv_rank=16, rope_dim=16, layout="flexible")
-    windows = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(1))
-    counts = convert(model, LLAMA, attention_inputs(model, LLAMA, windows), plan).plan.counts
-    assert sum(counts) == 8 and counts[-1] == 0 and counts[0] >= counts[-2]  # the lowest frequency barely rotates
+def test_rope_components_fill_tier_by_tier_from_the_highest_frequency():
+    anatomy = inspect_config(build_tiny("llama", 384, num_key_value_heads=2).config)
+    assert plan_mla(anatomy, kv_rank=16, rope_dim=10).counts == (1, 1, 1, 1, 1, 0, 0, 0)
+    flexible = plan_mla(anatomy, kv_rank=16, rope_dim=24, layout="flexible")
+    assert flexible.counts == (2, 2, 2, 2, 1, 1, 1, 1) and flexible.nope_key_dim == 32 - 24
 
 
 def test_error_falls_as_the_latent_grows():

@@ -40,11 +40,20 @@ def attention_layers(model: nn.Module, family: Family) -> list[nn.Module]:
     return [getattr(layer, family.attention_attr) for layer in layers]
 
 
-@torch.no_grad()  # not inference_mode: refinement trains on these tensors
 def attention_inputs(model: nn.Module, family: Family, windows: torch.Tensor) -> list[torch.Tensor]:
     """Per layer, the attention input (after the input norm) on every window: ``[n, seq_len, D]``, CPU float32."""
-    attentions = attention_layers(model, family)
-    captured: list[list[torch.Tensor]] = [[] for _ in attentions]
+    return captured_inputs(model, attention_layers(model, family), windows)
+
+
+def decoder_inputs(model: nn.Module, family: Family, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, the residual stream entering the decoder layer: ``[n, seq_len, D]``, CPU float32."""
+    return captured_inputs(model, list(model.get_submodule(family.layers_path)), windows)
+
+
+@torch.no_grad()  # not inference_mode: refinement trains on these tensors
+def captured_inputs(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor) -> list[torch.Tensor]:
+    """The ``hidden_states`` each module receives while the model runs over the windows."""
+    captured: list[list[torch.Tensor]] = [[] for _ in modules]
 
     def capture(index: int):
         def hook(module, args, kwargs):
@@ -53,7 +62,7 @@ def attention_inputs(model: nn.Module, family: Family, windows: torch.Tensor) ->
 
         return hook
 
-    handles = [a.register_forward_pre_hook(capture(i), with_kwargs=True) for i, a in enumerate(attentions)]
+    handles = [a.register_forward_pre_hook(capture(i), with_kwargs=True) for i, a in enumerate(modules)]
     device = next(model.parameters()).device
     try:
         with ui.progress_bar("Calibrating", total=len(windows), unit="windows") as advance:

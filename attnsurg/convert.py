@@ -15,7 +15,7 @@ from transformers import set_seed
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import attention_inputs, calibration_windows
+from attnsurg.calibrate import calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.card import CardInfo
 from attnsurg.info import inspect_model
@@ -90,14 +90,12 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
         tokenizer = load_tokenizer(source, ref.trust_remote_code)
     calib = request.calibration
     windows = calibration_windows(tokenizer, calib.data, calib.tokens, min(calib.seq_len, anatomy.max_positions or calib.seq_len))
-    inputs = attention_inputs(model, family, windows)
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
         result = convert(
-            model, family, inputs, plan, request.weighted,
+            model, family, windows, plan, request.weighted,
             request.refine_steps, request.refine_tokens, request.refine_lr, progress=advance,
         )
     converted, report.plan, report.layer_errors = result.model, result.plan, result.layer_errors
-    del inputs
     if request.eval_tokens:
         eval_data = TextData(dataset=calib.data.dataset, text=calib.data.text, part="eval")
         length = min(1024, request.eval_tokens, anatomy.max_positions or 1024)

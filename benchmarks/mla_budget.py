@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import attention_inputs, calibration_windows
+from attnsurg.calibrate import calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods.mla import convert, plan_mla
@@ -66,8 +66,7 @@ def main() -> None:
     for budget in args.budgets:
         start = time.perf_counter()
         windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
-        inputs = attention_inputs(model, family, windows)
-        result = convert(model, family, inputs, plan_mla(anatomy, kv_budget=budget, layout=args.rope_layout),
+        result = convert(model, family, windows, plan_mla(anatomy, kv_budget=budget, layout=args.rope_layout),
                          not args.unweighted, args.refine_steps, args.refine_tokens)
         mla, plan = result.model, result.plan
         seconds = time.perf_counter() - start

@@ -80,7 +80,7 @@ def test_demo_model_full_budget_flexible_layout_is_exact(demo_model):
 
     from attnsurg.arch import inspect_config
     from attnsurg.arch.families import family_for_surgery
-    from attnsurg.calibrate import attention_inputs, calibration_windows
+    from attnsurg.calibrate import calibration_windows
     from attnsurg.io.load import load_model, load_tokenizer, resolve_source
     from attnsurg.methods.mla import convert, plan_mla
 
@@ -89,7 +89,7 @@ def test_demo_model_full_budget_flexible_layout_is_exact(demo_model):
     family = family_for_surgery("llama")
     windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), 1024, 512)
     plan = plan_mla(inspect_config(model.config), kv_budget=1.0, layout="flexible")
-    mla = convert(model, family, attention_inputs(model, family, windows), plan).model
+    mla = convert(model, family, windows, plan).model
     ids = windows[:1, :256]
     with torch.no_grad():
         reference = model(ids).logits

@@ -7,7 +7,6 @@ from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import attention_inputs
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
@@ -21,7 +20,7 @@ LLAMA = family_for_surgery("llama")
 
 def converted_error(model, plan, ids, weighted=True, refine_steps=0) -> float:
     windows = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
-    mla = convert(model, LLAMA, attention_inputs(model, LLAMA, windows), plan, weighted, refine_steps).model
+    mla = convert(model, LLAMA, windows, plan, weighted, refine_steps).model
     with torch.no_grad():
         return (mla(ids).logits - model(ids).logits).abs().max().item()
 
@@ -40,13 +39,12 @@ def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
     model = build_tiny("llama", 384, num_key_value_heads=2)
     plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
     windows = torch.randint(0, 384, (8, 64), generator=torch.Generator().manual_seed(1))
-    inputs = attention_inputs(model, LLAMA, windows)
     held_out = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(held_out).logits
 
     def relative_logit_error(steps: int) -> tuple[float, list]:
-        result = convert(model, LLAMA, inputs, plan, refine_steps=steps, refine_tokens=512, refine_lr=3e-3)
+        result = convert(model, LLAMA, windows, plan, refine_steps=steps, refine_tokens=512, refine_lr=3e-3)
         mla, errors = result.model, result.layer_errors
         with torch.no_grad():
             return ((mla(held_out).logits - reference).pow(2).mean() / reference.pow(2).mean()).item(), errors
@@ -111,7 +109,7 @@ def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
     source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
     plan = plan_mla(inspect_config(source.config), kv_budget=0.5)
     windows = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
-    mla = convert(source, LLAMA, attention_inputs(source, LLAMA, windows), plan, refine_steps=5).model
+    mla = convert(source, LLAMA, windows, plan, refine_steps=5).model
     mla.save_pretrained(tmp_path / "m")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     ids = torch.arange(30)[None]

@@ -21,9 +21,10 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
    Query biases (Qwen2) have no place in DeepseekV3's plain q_proj, so such models route q through
    q_a -> q_a_layernorm -> q_b: q_a is the identity plus one constant channel (the same norm trick), which the
    norm turns into exactly 1, and q_b's column for it is the bias.
-6. Refinement (optional, from the closed form): per layer, Adam on q_proj, kv_a and kv_b minimizes the relative
-   squared error between the converted attention's output and the original layer's, on the original model's
-   calibration inputs (layer-wise reconstruction as in BRECQ, Li et al. 2021). The norm channel stays frozen.
+6. Refinement (optional, from the closed form): layer by layer, Adam on q_proj, kv_a and kv_b minimizes the
+   relative squared error between the converted layer's residual-stream update and what brings the converted
+   model's stream back to the original's (layer-wise reconstruction as in BRECQ, Li et al. 2021, carried
+   sequentially as in GPTQ). The norm channels stay frozen.
 """
 
 from __future__ import annotations
@@ -464,18 +465,16 @@ def freeze_norm_channel(attention: DeepseekV3Attention, rank: int) -> list[torch
 
 
 def refine_layer(
-    source_attn, source_rope, w: MLAWeights, config: DeepseekV3Config, index: int, inputs: torch.Tensor, steps: int, lr: float
-) -> tuple[MLAWeights, float, float]:
-    """Adam on the converted layer against the original layer's output; returns the better weights and the
-    relative output error before and after. The closed form is kept when refinement does not improve it."""
-    x = inputs.float()
-    positions = torch.arange(x.shape[1])[None]
+    w: MLAWeights, config: DeepseekV3Config, index: int, o_weight: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
+    steps: int, lr: float,
+) -> tuple[MLAWeights, float, float, DeepseekV3Attention]:
+    """Adam on the converted layer so its output on ``x`` matches ``target``; returns the better weights, the
+    relative error before and after, and the module holding the returned weights. The closed form is kept
+    when refinement does not improve it."""
     mask = causal_mask(x.shape[1])
-    with torch.no_grad():
-        target = source_attn(hidden_states=x, position_embeddings=source_rope(x[:1], positions), attention_mask=mask)[0]
+    rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(x.shape[1])[None])
     energy = target.pow(2).mean()
-    attention = mla_attention(config, index, w, source_attn.o_proj.weight)
-    rope = DeepseekV3RotaryEmbedding(config)(x[:1], positions)
+    attention = mla_attention(config, index, w, o_weight)
 
     def relative_error() -> torch.Tensor:
         output = attention(hidden_states=x, position_embeddings=rope, attention_mask=mask)[0]
@@ -492,7 +491,7 @@ def refine_layer(
     with torch.no_grad():
         after = relative_error().item()
     if after >= before:
-        return w, before, before
+        return w, before, before, mla_attention(config, index, w, o_weight)
     if attention.q_b_proj is not None:
         q_b = attention.q_b_proj.weight.detach().double()
         q_proj, q_bias = q_b[:, :-1], q_b[:, -1]
@@ -507,14 +506,52 @@ def refine_layer(
         kv_b_proj=attention.kv_b_proj.weight.detach().double(),
         o_bias=w.o_bias,
     )
-    return refined, before, after
+    return refined, before, after, attention
+
+
+class SequentialRefiner:
+    """Layer-wise refinement that carries the converted model's own residual stream forward (as GPTQ and
+    BRECQ do), so each layer learns to undo the drift of the layers before it: layer l's attention sees
+    norm(h'_l) and is fitted to h_l + a_l - h'_l, where h_l, a_l are the original model's residual stream and
+    attention output and h'_l is the converted model's residual stream."""
+
+    def __init__(self, source: PreTrainedModel, family: Family, windows: torch.Tensor, config: DeepseekV3Config):
+        from attnsurg.calibrate import decoder_inputs
+
+        self.source, self.family, self.config = source, family, config
+        self.residuals = decoder_inputs(source, family, windows)
+        self.stream = self.residuals[0].clone()
+        length = windows.shape[1]
+        self.mask = causal_mask(length)
+        self.positions = torch.arange(length)[None]
+
+    @torch.no_grad()
+    def refine(self, index: int, w: MLAWeights, steps: int, lr: float) -> tuple[MLAWeights, float, float]:
+        layer = self.source.get_submodule(f"{self.family.layers_path}.{index}")
+        source_attn = getattr(layer, self.family.attention_attr)
+        norm = getattr(layer, self.family.input_norm)
+        original = self.residuals[index]
+        source_rope = self.source.get_submodule(self.family.rotary_path)(original[:1], self.positions)
+        attended = source_attn(hidden_states=norm(original), position_embeddings=source_rope, attention_mask=self.mask)[0]
+        x = norm(self.stream)
+        target = original + attended - self.stream
+        w, before, after, attention = refine_layer(w, self.config, index, source_attn.o_proj.weight, x, target, steps, lr)
+        self.advance(layer, attention, x)
+        return w, before, after
+
+    def advance(self, layer, attention: DeepseekV3Attention, x: torch.Tensor) -> None:
+        """Run the converted decoder layer: attention, then the original MLP on the new stream."""
+        rope = DeepseekV3RotaryEmbedding(self.config)(x[:1], self.positions)
+        self.stream = self.stream + attention(hidden_states=x, position_embeddings=rope, attention_mask=self.mask)[0]
+        post_norm = getattr(layer, self.family.post_attention_norm)
+        self.stream = self.stream + getattr(layer, self.family.mlp)(post_norm(self.stream))
 
 
 @torch.no_grad()
 def convert(
     source: PreTrainedModel,
     family: Family,
-    inputs: list[torch.Tensor],
+    windows: torch.Tensor,
     plan: MLAPlan,
     weighted: bool = True,
     refine_steps: int = 0,
@@ -522,21 +559,22 @@ def convert(
     refine_lr: float = 1e-3,
     progress=None,
 ) -> MLAConversion:
-    """Convert every layer (closed form from the calibration inputs' second moment, then optional refinement)
-    and assemble the DeepseekV3 model."""
-    from attnsurg.calibrate import second_moment
+    """Convert every layer from calibration windows (token ids): the closed form from the attention inputs'
+    second moment over all windows, then optional sequential refinement on the first ``refine_tokens``."""
+    from attnsurg.calibrate import attention_inputs, second_moment
 
-    attentions = [source.get_submodule(f"{family.layers_path}.{i}.{family.attention_attr}") for i in range(len(inputs))]
-    sigmas = [second_moment(x) for x in inputs]
-    source_rope = source.get_submodule(family.rotary_path)
-    config = deepseek_config(source, plan, source_rope.inv_freq)
+    sigmas = [second_moment(x) for x in attention_inputs(source, family, windows)]
+    attentions = [source.get_submodule(f"{family.layers_path}.{i}.{family.attention_attr}") for i in range(len(sigmas))]
+    config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
     config._attn_implementation = "sdpa"  # standalone modules in refinement; the mask is passed explicitly
+    refiner = None
+    if refine_steps:
+        refiner = SequentialRefiner(source, family, windows[: max(1, refine_tokens // windows.shape[1])], config)
     layers, errors = [], []
-    for index, (attn, sigma, x) in enumerate(zip(attentions, sigmas, inputs)):
+    for index, (attn, sigma) in enumerate(zip(attentions, sigmas)):
         weights = fit_layer(attn, sigma, plan, weighted)
-        if refine_steps:
-            windows = max(1, refine_tokens // x.shape[1])
-            weights, before, after = refine_layer(attn, source_rope, weights, config, index, x[:windows], refine_steps, refine_lr)
+        if refiner:
+            weights, before, after = refiner.refine(index, weights, refine_steps, refine_lr)
             errors.append((before, after))
         layers.append(weights)
         if progress:

@@ -311,7 +311,7 @@ def convert(
         out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
     if report.mean_layer_error:
         before, after = report.mean_layer_error
-        out.print(f"mean relative attention-output error per layer: {before:.4f} -> {after:.4f} (refinement)")
+        out.print(f"mean relative layer error against the original residual stream: {before:.4f} -> {after:.4f} (refinement)")
     if report.ppl_before is not None:
         out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
 

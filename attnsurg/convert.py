@@ -136,7 +136,7 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
     ]
     if report.mean_layer_error:
         before, after = report.mean_layer_error
-        figures.append({"metric": "mean relative attention-output error per layer (refinement)",
+        figures.append({"metric": "mean relative layer error against the original residual stream (refinement)",
                         "before": f"{before:.4f}", "after": f"{after:.4f}"})
     if report.ppl_before is not None:
         figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",

@@ -84,3 +84,54 @@ def second_moment(x: torch.Tensor) -> torch.Tensor:
 def attention_input_moments(model: nn.Module, family: Family, windows: torch.Tensor) -> list[torch.Tensor]:
     """Per layer, E[x~ x~^T] of the attention input."""
     return [second_moment(x) for x in attention_inputs(model, family, windows)]
+
+
+class InputStatistics:
+    """Streaming E[x~ x~^T] (augmented, float64) and E|x| of what one module receives."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.moment: torch.Tensor | None = None
+        self.abs_sum: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor) -> None:
+        xa = augment(x.detach().cpu())
+        if self.moment is None:
+            self.moment = torch.zeros(xa.shape[1], xa.shape[1], dtype=torch.float64)
+            self.abs_sum = torch.zeros(xa.shape[1] - 1, dtype=torch.float64)
+        self.moment += xa.T @ xa
+        self.abs_sum += xa[:, :-1].abs().sum(0)
+        self.tokens += xa.shape[0]
+
+    @property
+    def sigma(self) -> torch.Tensor:
+        """E[x~ x~^T], (n+1) x (n+1)."""
+        return self.moment / self.tokens
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        return self.abs_sum / self.tokens
+
+
+@torch.no_grad()
+def input_statistics(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor) -> list[InputStatistics]:
+    """Second moment and mean magnitude of each module's input over the windows, accumulated with hooks."""
+    stats = [InputStatistics() for _ in modules]
+
+    def accumulate(index: int):
+        def hook(module, args, kwargs):
+            stats[index].add(kwargs.get("hidden_states", args[0] if args else None))
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(accumulate(i), with_kwargs=True) for i, m in enumerate(modules)]
+    device = next(model.parameters()).device
+    try:
+        with ui.progress_bar("Calibrating", total=len(windows), unit="windows") as advance:
+            for window in windows:
+                model(input_ids=window[None].to(device), use_cache=False)
+                advance()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats

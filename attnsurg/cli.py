@@ -316,6 +316,119 @@ def convert(
         out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
 
 
+# ------------------------------------------------------------------------------------------ compress
+LOW_RANK_METHODS = ("svd", "asvd", "svdllm")
+
+
+@app.command()
+@user_errors
+def compress(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
+    method: Annotated[str, typer.Option("--method", "-m", help="svd, asvd or svdllm.")] = "svdllm",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
+    targets: Annotated[str, typer.Option("--targets", help="Projections to factorize, comma-separated from q,k,v,o.")] = "q,k,v,o",
+    ratio: Annotated[
+        Optional[float],
+        typer.Option("--ratio", help="Fraction of the targeted projections' parameters kept, in (0, 1]; "
+                     "with --kv-latent, the fraction of the KV cache kept."),
+    ] = None,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="One rank for every targeted projection (instead of --ratio).")] = None,
+    kv_latent: Annotated[
+        bool, typer.Option("--kv-latent", help="k and v share one cached latent per layer (a real KV-cache saving; --targets k,v).")
+    ] = False,
+    allocate: Annotated[
+        bool, typer.Option("--allocate", help="Spread the budget over layers and projections by truncation energy, not uniformly.")
+    ] = False,
+    weighted: Annotated[
+        Optional[bool],
+        typer.Option("--weighted/--unweighted", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm."),
+    ] = None,
+    calib_dataset: Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")] = "wiki-sample",
+    calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")] = None,
+    calib_tokens: Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")] = 4096,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")] = 2048,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Compress attention projections to low rank and write a new checkpoint."""
+    from attnsurg.compress import projection_flops, rank_rows, run_compress
+    from attnsurg.methods.lowrank import parse_targets
+    from attnsurg.recipe import Calibration, CompressLowRank, ModelRef, TextData
+
+    if method not in LOW_RANK_METHODS:
+        raise UserError(f"--method {method} is not available; choose from {', '.join(LOW_RANK_METHODS)}")
+    if output is None and not dry_run:
+        raise UserError("missing --output/-o: the directory to write the compressed checkpoint to")
+    calibration_data = TextData(text=calib_text, part="calib") if calib_text else TextData(dataset=calib_dataset, part="calib")
+    request = CompressLowRank(
+        model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
+        output=output or Path("."),
+        method=method,
+        targets=parse_targets(targets),
+        ratio=ratio,
+        rank=rank,
+        kv_latent=kv_latent,
+        allocate=allocate,
+        weighted=weighted,
+        calibration=Calibration(data=calibration_data, tokens=calib_tokens),
+        eval_tokens=eval_tokens,
+        overwrite=overwrite,
+        seed=seed,
+    )
+    report = run_compress(request, dry_run=dry_run)
+    plan = report.plan
+    rows = rank_rows(plan)
+    flops = projection_flops(plan)
+    if json_output:
+        record = {"plan": rows, "kept_fraction": plan.kept_fraction, "params": [plan.params_before(), plan.params_after()],
+                  "projection_flops_per_token": list(flops), "kv_values_per_token": [report.anatomy.kv_values_per_token, plan.kv_values_after()],
+                  "written": report.written, "seconds": report.seconds, "factorize_seconds": report.factorize_seconds,
+                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after}
+        print(json.dumps(record, indent=2))
+        return
+    out.print(lowrank_plan_table(model, plan, rows, allocated_later=dry_run and plan.allocate))
+    budget = "KV cache" if plan.kv_latent else "targeted parameters"
+    out.print(
+        f"kept {plan.kept_fraction:.3f} of the {budget}; projection params {plan.params_before():,} -> {plan.params_after():,}, "
+        f"FLOPs/token {flops[0]:,} -> {flops[1]:,}; KV values/token {report.anatomy.kv_values_per_token:,} -> {plan.kv_values_after():,}"
+    )
+    if report.written:
+        out.print(f"wrote {report.written} in {report.seconds:.1f} s (factorization {report.factorize_seconds:.1f} s), "
+                  f"peak memory {report.peak_memory_gb:.2f} GB")
+    if report.ppl_before is not None:
+        out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
+
+
+def lowrank_plan_table(model: str, plan, rows: list[dict], allocated_later: bool) -> Table:
+    """Ranks per layer; consecutive layers with the same ranks share one row."""
+    from attnsurg.methods.lowrank import PROJECTIONS
+
+    names = ["kv"] if plan.kv_latent else list(plan.targets)
+    note = " (uniform; --allocate redistributes after calibration)" if allocated_later else ""
+    table = Table(title=f"{plan.method} plan for {model}{note}", title_justify="left")
+    table.add_column("layers", justify="right")
+    for name in names:
+        table.add_column("k/v latent rank" if name == "kv" else PROJECTIONS[name], justify="right")
+    table.add_column("params/layer", justify="right")
+    groups: list[list[dict]] = []
+    for row in rows:
+        key = [row[n] for n in names]
+        if groups and [groups[-1][0][n] for n in names] == key:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    for group in groups:
+        first, last = group[0], group[-1]
+        span = str(first["layer"]) if first is last else f"{first['layer']}-{last['layer']}"
+        cells = ["dense" if first[n] is None else str(first[n]) for n in names]
+        table.add_row(span, *cells, f"{first['params_before']:,} -> {first['params_after']:,}")
+    return table
+
+
 # -------------------------------------------------------------------------------------------- assets
 @assets_app.callback(invoke_without_command=True)
 def assets_default(ctx: typer.Context) -> None:

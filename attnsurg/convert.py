@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
-import resource
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 
-import torch
 import yaml
 from transformers import set_seed
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import calibration_windows
-from attnsurg.eval.perplexity import eval_windows, perplexity_of
-from attnsurg.io.card import CardInfo
 from attnsurg.info import inspect_model
-from attnsurg.io.load import DTYPES, load_model, load_tokenizer
+from attnsurg.io.card import CardInfo
 from attnsurg.io.save import check_output_path, write_checkpoint
 from attnsurg.methods.mla import MLAPlan, convert, plan_mla
-from attnsurg.recipe import ConvertMLA, TextData
+from attnsurg.pipeline import (
+    base_model_id,
+    command_line,
+    load_source,
+    peak_memory_gb,
+    perplexity_before_after,
+    source_windows,
+    to_source_dtype,
+)
+from attnsurg.recipe import ConvertMLA
 
 
 @dataclass
@@ -65,10 +67,6 @@ def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
     ]
 
 
-def command_line() -> str:
-    return "attnsurg " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-
-
 def plan_request(request: ConvertMLA):
     source, _, anatomy = inspect_model(request.model)
     plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim, request.rope_layout)
@@ -83,13 +81,9 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
     check_output_path(request.output, request.overwrite)
     set_seed(request.seed)
     start = time.perf_counter()
-    ref = request.model
     family = family_for_surgery(anatomy.model_type)
-    with ui.status(f"Loading {ref.ref}..."):
-        model = load_model(source, torch.float32, "cpu", ref.trust_remote_code, ref.allow_pickle)
-        tokenizer = load_tokenizer(source, ref.trust_remote_code)
-    calib = request.calibration
-    windows = calibration_windows(tokenizer, calib.data, calib.tokens, min(calib.seq_len, anatomy.max_positions or calib.seq_len))
+    model, tokenizer = load_source(request.model, source)
+    windows = source_windows(tokenizer, request.calibration, anatomy)
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
         result = convert(
             model, family, windows, plan, request.weighted,
@@ -97,16 +91,12 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
         )
     converted, report.plan, report.layer_errors = result.model, result.plan, result.layer_errors
     if request.eval_tokens:
-        eval_data = TextData(dataset=calib.data.dataset, text=calib.data.text, part="eval")
-        length = min(1024, request.eval_tokens, anatomy.max_positions or 1024)
-        tokens, windows = eval_windows(tokenizer, eval_data, length, request.eval_tokens)
-        report.ppl_before = perplexity_of(model, tokens, windows)
-        report.ppl_after = perplexity_of(converted, tokens, windows)
-    native = DTYPES.get(anatomy.dtype, torch.float32)  # fitted in float64, evaluated in float32, saved as the source
-    converted.to(native)
-    converted.config.dtype = anatomy.dtype
+        report.ppl_before, report.ppl_after = perplexity_before_after(
+            model, converted, tokenizer, request.calibration, request.eval_tokens, anatomy
+        )
+    to_source_dtype(converted, anatomy)
     report.seconds = time.perf_counter() - start
-    report.peak_memory_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    report.peak_memory_gb = peak_memory_gb()
     card = mla_card(request, report)
     recipe = yaml.safe_dump(request.model_dump(mode="json"), sort_keys=False)
     report.written = str(
@@ -147,7 +137,7 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             "Attention converted from grouped-query to DeepSeek-style multi-head latent attention by attnsurg. "
             "Loads with stock transformers (`model_type: deepseek_v3`, no remote code). " + LAYOUT_NOTES[plan.layout]
         ),
-        base_model=request.model.ref if "/" in request.model.ref and not request.model.ref.startswith((".", "/")) else None,
+        base_model=base_model_id(request.model.ref),
         command=command_line(),
         details=[
             f"KV budget: {plan.cached_values} of {plan.original_values} values per layer per token "

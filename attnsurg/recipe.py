@@ -97,3 +97,25 @@ class ConvertMLA(Strict):
     eval_tokens: int = Field(2048, ge=0)
     overwrite: bool = False
     seed: int = 0
+
+
+class CompressLowRank(Strict):
+    """``attnsurg compress MODEL --method svd|asvd|svdllm``: low-rank attention projections.
+
+    The budget is either ``ratio`` (the fraction of the targeted projections' parameters kept; with
+    ``kv_latent``, the fraction of the KV cache kept) or one ``rank`` for every targeted projection.
+    """
+
+    model: ModelRef
+    output: Path
+    method: Literal["svd", "asvd", "svdllm"] = "svdllm"
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    ratio: float | None = None
+    rank: int | None = None
+    kv_latent: bool = False
+    allocate: bool = False
+    weighted: bool | None = None
+    calibration: Calibration = Calibration()
+    eval_tokens: int = Field(2048, ge=0)
+    overwrite: bool = False
+    seed: int = 0

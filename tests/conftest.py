@@ -54,7 +54,7 @@ def tiny_config(family: str, vocab_size: int, **overrides):
     if family == "llama":
         return LlamaConfig(**settings)
     if family == "mistral":
-        return MistralConfig(sliding_window=None, **settings)
+        return MistralConfig(**{"sliding_window": None, **settings})
     if family == "qwen2":
         return Qwen2Config(**settings)
     raise ValueError(family)

@@ -46,10 +46,11 @@ class AttentionAnatomy:
     attention_parameters: int
     total_parameters: int
     mla: dict[str, int] = field(default_factory=dict)
+    kv_layer_values: tuple[int, ...] = ()  # per layer, where layers differ (low-rank k/v latents)
 
     @property
     def kv_values_per_token(self) -> int:
-        return self.num_layers * self.kv_values_per_layer
+        return sum(self.kv_layer_values) or self.num_layers * self.kv_values_per_layer
 
     def kv_bytes_per_token(self, dtype: str | None = None) -> int:
         return self.kv_values_per_token * BYTES_PER_DTYPE[dtype or self.dtype]
@@ -130,6 +131,14 @@ def mla_settings(config: PretrainedConfig) -> dict[str, int]:
     return {k: int(getattr(config, k)) for k in keys}
 
 
+def latent_kv_values(config: PretrainedConfig, num_layers: int, dense_values: int) -> tuple[int, ...]:
+    """Per layer cached values of an attnsurg low-rank checkpoint whose k/v share a cached latent; else ()."""
+    latent = (getattr(config, "attnsurg", None) or {}).get("kv_latent") or {}
+    if not latent:
+        return ()
+    return tuple(int(latent.get(str(i), dense_values)) for i in range(num_layers))
+
+
 def inspect_config(config: PretrainedConfig, trust_remote_code: bool = False) -> AttentionAnatomy:
     """Build the anatomy of a causal LM from its config (no weights are read)."""
     model = meta_model(config, trust_remote_code=trust_remote_code)
@@ -151,6 +160,10 @@ def inspect_config(config: PretrainedConfig, trust_remote_code: bool = False) ->
         kind = "mha" if num_kv_heads == num_heads else ("mqa" if num_kv_heads == 1 else "gqa")
         kv_values = 2 * num_kv_heads * head_dim
         q_bias, k_bias, v_bias = (_has_bias(attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    layer_values = latent_kv_values(config, num_layers, kv_values)
+    if layer_values:
+        kind += "+latent"
+        kv_values = round(sum(layer_values) / num_layers)
     model_type = config.model_type
     family = model_type if model_type in SURGERY_FAMILIES or model_type in OUTPUT_FAMILIES else None
     return AttentionAnatomy(
@@ -178,4 +191,5 @@ def inspect_config(config: PretrainedConfig, trust_remote_code: bool = False) ->
         attention_parameters=attention_parameters(model),
         total_parameters=count_parameters(model),
         mla=mla,
+        kv_layer_values=layer_values,
     )

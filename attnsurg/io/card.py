@@ -23,6 +23,7 @@ class CardInfo:
     recipe_yaml: str | None = None
     figures: list[dict[str, str]] = field(default_factory=list)
     details: list[str] = field(default_factory=list)
+    sections: dict[str, str] = field(default_factory=dict)  # heading -> markdown, after the figures
 
 
 def library_versions() -> dict[str, str]:
@@ -48,6 +49,7 @@ def render_card(info: CardInfo) -> ModelCard:
         sections.append("\n".join(f"- {d}" for d in info.details))
     if info.figures:
         sections.append("## Figures\n\n" + _figures_table(info.figures))
+    sections += [f"## {heading}\n\n{body}" for heading, body in info.sections.items()]
     if info.command:
         sections.append(f"## How it was made\n\n```bash\n{info.command}\n```")
     if info.recipe_yaml:

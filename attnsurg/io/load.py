@@ -24,6 +24,11 @@ from attnsurg.io.assets import ASSETS, ensure_demo_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
+from attnsurg.modeling import MODEL_TYPES as ATTNSURG_MODEL_TYPES
+from attnsurg.modeling import register as register_attnsurg_models
+
+register_attnsurg_models()  # attnsurg's own checkpoints load without remote code
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -95,7 +100,7 @@ def _read_json(path: Path) -> dict:
 
 def _check_remote_code(ref: str, config: dict, trust_remote_code: bool) -> None:
     model_type = config.get("model_type")
-    known = model_type in CONFIG_MAPPING_NAMES
+    known = model_type in CONFIG_MAPPING_NAMES or model_type in ATTNSURG_MODEL_TYPES
     if not known and config.get("auto_map") and not trust_remote_code:
         raise UserError(
             f"'{ref}' needs the modeling code shipped with it (model type '{model_type}'); "

@@ -39,6 +39,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.errors import UserError
+from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
 from attnsurg.methods import MethodSpec, register
 
 # Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
@@ -173,12 +174,6 @@ class MLAWeights:
     o_bias: torch.Tensor  # [D]
 
 
-def augmented(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """[W b] in float64, so W x + b = [W b] [x; 1]."""
-    column = torch.zeros(weight.shape[0], 1, dtype=torch.float64) if bias is None else bias.double()[:, None]
-    return torch.cat([weight.double(), column], dim=1)
-
-
 def frequency_rows(head: int, i: int, d: int) -> list[int]:
     """Rows of head ``head`` that RoPE rotates together at frequency i (HF layout: i and i + d/2)."""
     return [head * d + i, head * d + i + d // 2]
@@ -210,18 +205,6 @@ def split_components(plan: MLAPlan) -> tuple[list, list]:
 def rope_frequencies(plan: MLAPlan, inv_freq: torch.Tensor) -> list[float]:
     """The frequency of each RoPE pair of the converted key, in layout order."""
     return [float(inv_freq[i]) for i in range(plan.head_dim // 2) for _ in range(plan.counts[i])]
-
-
-def sqrt_and_inverse_sqrt(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    eigenvalues, eigenvectors = torch.linalg.eigh(S)
-    eigenvalues = eigenvalues.clamp_min(eigenvalues.max() * 1e-10)
-    root = eigenvectors * eigenvalues.sqrt()
-    return root @ eigenvectors.T, (eigenvectors / eigenvalues.sqrt()) @ eigenvectors.T
-
-
-def rescaled(S: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
-    """Scale a consumer weight so the weighted energy tr(S C) equals the plain energy tr(C)."""
-    return S * (torch.trace(C) / torch.trace(S @ C).clamp_min(1e-30))
 
 
 def latent_factors(M: torch.Tensor, sigma: torch.Tensor, S: torch.Tensor | None, rank: int):

@@ -1,0 +1,153 @@
+"""``attnsurg compress``: plan -> load -> calibrate -> factorize -> evaluate -> write, for low-rank methods."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import yaml
+from transformers import set_seed
+
+from attnsurg import ui
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_layers, input_statistics
+from attnsurg.info import inspect_model
+from attnsurg.io.card import CardInfo
+from attnsurg.io.save import check_output_path, write_checkpoint
+from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
+from attnsurg.modeling import MODELING_FILE
+from attnsurg.pipeline import (
+    base_model_id,
+    command_line,
+    load_source,
+    peak_memory_gb,
+    perplexity_before_after,
+    source_windows,
+    to_source_dtype,
+)
+from attnsurg.recipe import CompressLowRank
+
+
+@dataclass
+class CompressReport:
+    plan: LowRankPlan
+    anatomy: AttentionAnatomy
+    written: str | None = None
+    seconds: float = 0.0
+    factorize_seconds: float = 0.0
+    peak_memory_gb: float = 0.0
+    ppl_before: float | None = None
+    ppl_after: float | None = None
+    errors: list[float] = field(default_factory=list)
+
+
+def projection_flops(plan: LowRankPlan) -> tuple[int, int]:
+    """Multiply-adds x 2 per token in the targeted projections, before and after."""
+    return 2 * plan.params_before(), 2 * plan.params_after()
+
+
+def rank_rows(plan: LowRankPlan) -> list[dict]:
+    """Per layer: the rank of each unit (None = dense), with parameters before/after."""
+    rows: dict[int, dict] = {}
+    for unit, rank in zip(plan.units, plan.ranks):
+        row = rows.setdefault(unit.layer, {"layer": unit.layer, "params_before": 0, "params_after": 0})
+        row[unit.name] = rank
+        row["params_before"] += unit.params(None)
+        row["params_after"] += unit.params(rank)
+    return list(rows.values())
+
+
+def plan_request(request: CompressLowRank):
+    source, _, anatomy = inspect_model(request.model)
+    plan = plan_lowrank(
+        anatomy, request.method, request.targets, request.ratio, request.rank,
+        request.kv_latent, request.allocate, request.weighted,
+    )
+    return source, anatomy, plan
+
+
+def run_compress(request: CompressLowRank, dry_run: bool = False) -> CompressReport:
+    source, anatomy, plan = plan_request(request)
+    report = CompressReport(plan, anatomy)
+    if dry_run:
+        return report
+    check_output_path(request.output, request.overwrite)
+    set_seed(request.seed)
+    start = time.perf_counter()
+    family = family_for_surgery(anatomy.model_type)
+    model, tokenizer = load_source(request.model, source)
+    windows = source_windows(tokenizer, request.calibration, anatomy)
+    attentions = attention_layers(model, family)
+    stats = input_statistics(model, attentions + [getattr(a, PROJECTIONS["o"]) for a in attentions], windows)
+    started = time.perf_counter()
+    with ui.progress_bar(f"Factorizing ({plan.method})", total=anatomy.num_layers, unit="layers") as advance:
+        result = compress(model, family, list(zip(stats[: len(attentions)], stats[len(attentions) :])), plan,
+                          windows.shape[1], progress=advance)
+    report.factorize_seconds = time.perf_counter() - started
+    report.plan, report.errors = result.plan, result.errors
+    if request.eval_tokens:
+        report.ppl_before, report.ppl_after = perplexity_before_after(
+            model, result.model, tokenizer, request.calibration, request.eval_tokens, anatomy
+        )
+    to_source_dtype(result.model, anatomy)
+    report.seconds = time.perf_counter() - start
+    report.peak_memory_gb = peak_memory_gb()
+    recipe = yaml.safe_dump(request.model_dump(mode="json"), sort_keys=False)
+    extra = {"attnsurg_recipe.yaml": recipe, MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
+    report.written = str(
+        write_checkpoint(result.model, tokenizer, request.output, lowrank_card(request, report), request.overwrite, extra_files=extra)
+    )
+    return report
+
+
+def rank_table(plan: LowRankPlan) -> str:
+    names = ["kv"] if plan.kv_latent else list(plan.targets)
+    header = "| layer | " + " | ".join("k/v latent" if n == "kv" else PROJECTIONS[n] for n in names) + " |"
+    lines = [header, "|---" * (len(names) + 1) + "|"]
+    for row in rank_rows(plan):
+        lines.append(f"| {row['layer']} | " + " | ".join("dense" if row[n] is None else str(row[n]) for n in names) + " |")
+    return "\n".join(lines)
+
+
+def lowrank_card(request: CompressLowRank, report: CompressReport) -> CardInfo:
+    plan, anatomy = report.plan, report.anatomy
+    calib = request.calibration
+    data = calib.data.dataset or str(calib.data.text)
+    flops_before, flops_after = projection_flops(plan)
+    kv_after = plan.kv_values_after()
+    figures = [
+        {"metric": "parameters in the targeted projections", "before": f"{plan.params_before():,}", "after": f"{plan.params_after():,}"},
+        {"metric": "total parameters", "before": f"{anatomy.total_parameters:,}",
+         "after": f"{anatomy.total_parameters - plan.params_before() + plan.params_after():,}"},
+        {"metric": "FLOPs per token in the targeted projections", "before": f"{flops_before:,}", "after": f"{flops_after:,}"},
+        {"metric": "KV values per token (all layers)", "before": f"{anatomy.kv_values_per_token:,}", "after": f"{kv_after:,}"},
+        {"metric": "KV bytes per token (bf16)", "before": f"{anatomy.kv_bytes_per_token('bfloat16'):,}", "after": f"{kv_after * 2:,}"},
+    ]
+    if report.ppl_before is not None:
+        figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",
+                        "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
+    budget = f"ratio {request.ratio}" if request.ratio is not None else f"rank {request.rank}"
+    kv_note = (
+        " k and v share one cached latent per layer (rebuilt to K and V at every step, RoPE applied after), so "
+        "the KV cache holds the latent only; rebuilding costs 2 x rank x 2 G d FLOPs per cached token per step."
+        if plan.kv_latent else ""
+    )
+    return CardInfo(
+        title=f"{request.model.ref} with low-rank attention ({plan.method})",
+        summary=(
+            f"Attention projections factorized by attnsurg ({plan.method}).{kv_note} Load with "
+            "`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` (the modeling code ships in "
+            "`modeling_attnsurg.py`) or with attnsurg, which needs no remote code."
+        ),
+        base_model=base_model_id(request.model.ref),
+        command=command_line(),
+        details=[
+            f"budget: {budget} ({'fraction of the KV cache kept' if plan.kv_latent else 'fraction of the targeted parameters kept'}; "
+            f"achieved {plan.kept_fraction:.3f}), {'allocated over layers by truncation energy' if plan.allocate else 'uniform ranks'}",
+            f"targets: {', '.join(PROJECTIONS[t] for t in plan.targets)}; consumer-weighted: {plan.weighted}",
+            f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; no healing",
+        ],
+        figures=figures,
+        sections={"Ranks per module": rank_table(plan)},
+    )

@@ -1,0 +1,470 @@
+"""Low-rank attention projections: ``compress --method svd|asvd|svdllm``.
+
+Each targeted projection W (m x n, bias b kept as is) becomes ``up @ down`` of rank r, the minimizer of
+
+    || L^T (W - W') R ||_F,
+
+where R is the method's input metric (identity for svd, diag(E|x|^0.5) for asvd, the Cholesky factor of
+E[x x^T] for svdllm; see each method's module) and L L^T = Omega an optional output weight: what consumes the
+projection's output (Eckart-Young on M = L^T W R; W' = L^-T U_r S_r V_r^T R^-1, split as
+down = S_r^1/2 V_r^T R^-1 and up = L^-T U_r S_r^1/2).
+
+Consumer weights (on by default for svdllm): an error e in a key changes a score by q^T R_{-delta} e, where
+R_delta is the RoPE rotation over the query-key distance, so the key weight is E_delta[R^T Q R] with Q the
+second moment of the queries of that key head (averaged over the distances of the calibration windows,
+each weighted by how many query-key pairs have it); symmetrically the key moment weights queries, and
+W_o^T W_o (per head group) weights values. Each block is rescaled to its unweighted energy.
+
+``kv_latent``: k and v of a layer share one latent of rank r (W = [W_k; W_v]), which the cache holds
+instead of K and V (Palu, Chang et al. 2024): a real KV-cache saving of r / (2 G d).
+
+``allocate``: one global budget spread over all layers and projections by greedy water-filling on the
+relative truncation energy per unit of cost (parameters, or cached values for latents), which is optimal
+for the sum of relative errors since each spectrum is sorted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import SURGERY_FAMILIES, Family
+from attnsurg.calibrate import InputStatistics
+from attnsurg.errors import UserError
+from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
+from attnsurg.methods import MethodSpec, asvd, register, svd, svdllm
+from attnsurg.modeling import auto_map
+from attnsurg.modeling.modeling_attnsurg import CLASSES
+
+PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+METRICS = {module.NAME: module for module in (svd, asvd, svdllm)}
+
+
+def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
+    if anatomy.model_type not in SURGERY_FAMILIES:
+        return f"model type '{anatomy.model_type}' is not a supported family"
+    return None
+
+
+for _module in METRICS.values():
+    register(MethodSpec(_module.NAME, _module.SUMMARY, unsupported_reason))
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One factorized map: a projection (q/k/v/o) of one layer, or the joint k/v latent ("kv")."""
+
+    layer: int
+    name: str
+    out_features: int
+    in_features: int
+
+    @property
+    def full_rank(self) -> int:
+        return min(self.out_features, self.in_features)
+
+    @property
+    def break_even(self) -> int:
+        """The rank at which the two factors hold as many parameters as the dense matrix."""
+        return self.out_features * self.in_features // (self.out_features + self.in_features)
+
+    @property
+    def rank_cost(self) -> int:
+        """What one more rank costs: a cached value per token for a latent, else parameters."""
+        return 1 if self.name == "kv" else self.out_features + self.in_features
+
+    def params(self, rank: int | None) -> int:
+        dense = self.out_features * self.in_features
+        return dense if rank is None else rank * (self.out_features + self.in_features)
+
+    @property
+    def label(self) -> str:
+        return f"layer {self.layer} {'k/v latent' if self.name == 'kv' else PROJECTIONS[self.name]}"
+
+
+@dataclass
+class LowRankPlan:
+    method: str
+    targets: tuple[str, ...]
+    kv_latent: bool
+    weighted: bool
+    allocate: bool
+    units: list[Unit]
+    ranks: list[int | None]  # per unit; None keeps it dense
+    kv_values_per_layer: int  # original 2 G d
+
+    def params_before(self) -> int:
+        return sum(u.params(None) for u in self.units)
+
+    def params_after(self) -> int:
+        return sum(u.params(r) for u, r in zip(self.units, self.ranks))
+
+    @property
+    def kept_fraction(self) -> float:
+        if self.kv_latent:
+            return self.kv_values_after() / (self.kv_values_per_layer * len(self.units))
+        return self.params_after() / self.params_before()
+
+    def kv_values_after(self) -> int:
+        """Cached values per token, all layers."""
+        if not self.kv_latent:
+            return self.kv_values_per_layer * len({u.layer for u in self.units})
+        return sum(r for r in self.ranks)
+
+    def surgery(self, family: Family) -> dict:
+        """The ``config.attnsurg`` record the modeling code rebuilds the modules from."""
+        low_rank, latent = {}, {}
+        for unit, rank in zip(self.units, self.ranks):
+            if rank is None:
+                continue
+            if unit.name == "kv":
+                latent[str(unit.layer)] = rank
+            else:
+                path = f"{family.layers_path}.{unit.layer}.{family.attention_attr}.{PROJECTIONS[unit.name]}"
+                low_rank[path] = rank
+        return {"format": 1, "method": self.method, "weighted": self.weighted, "low_rank": low_rank, "kv_latent": latent}
+
+
+def parse_targets(targets: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    names = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+    unknown = [t for t in names if t not in PROJECTIONS]
+    if unknown or not names:
+        raise UserError(f"unknown target {unknown[0] if unknown else '(none)'!r}; choose from q,k,v,o, e.g. --targets k,v")
+    return tuple(t for t in PROJECTIONS if t in names)
+
+
+def plan_units(anatomy: AttentionAnatomy, targets: tuple[str, ...], kv_latent: bool) -> list[Unit]:
+    D, Hd, Gd = anatomy.hidden_size, anatomy.num_heads * anatomy.head_dim, anatomy.num_kv_heads * anatomy.head_dim
+    shapes = {"q": (Hd, D), "k": (Gd, D), "v": (Gd, D), "o": (D, Hd), "kv": (2 * Gd, D)}
+    names = ("kv",) if kv_latent else targets
+    return [Unit(layer, name, *shapes[name]) for layer in range(anatomy.num_layers) for name in names]
+
+
+def check_latent_support(anatomy: AttentionAnatomy, targets: tuple[str, ...]) -> None:
+    if set(targets) != {"k", "v"}:
+        raise UserError("--kv-latent compresses k and v together into the cached latent; use --targets k,v")
+    if anatomy.sliding_window:
+        raise UserError(
+            f"--kv-latent needs full attention in every layer; this model uses a sliding window of "
+            f"{anatomy.sliding_window} in {anatomy.sliding_layers} layers (compress without --kv-latent)"
+        )
+
+
+def uniform_ranks(units: list[Unit], ratio: float | None, rank: int | None, kv_latent: bool) -> list[int | None]:
+    if rank is not None:
+        if rank < 1:
+            raise UserError(f"--rank must be at least 1, got {rank}")
+        for unit in units:
+            if rank > unit.full_rank:
+                raise UserError(
+                    f"--rank {rank} exceeds the full rank {unit.full_rank} of {unit.label} "
+                    f"({unit.out_features} x {unit.in_features}); use at most {unit.full_rank}"
+                )
+        return [rank] * len(units)
+    if ratio is None or not 0 < ratio <= 1:
+        raise UserError(f"--ratio must be in (0, 1], got {ratio}")
+    ranks: list[int | None] = []
+    for unit in units:
+        if kv_latent:
+            ranks.append(min(unit.full_rank, max(1, round(ratio * unit.out_features))))
+            continue
+        r = int(ratio * unit.out_features * unit.in_features / (unit.out_features + unit.in_features))
+        if r < 1:
+            raise UserError(f"--ratio {ratio} leaves {unit.label} no rank at all; use a larger ratio")
+        ranks.append(None if r >= unit.break_even else r)
+    return ranks
+
+
+def plan_lowrank(
+    anatomy: AttentionAnatomy,
+    method: str,
+    targets: str | tuple[str, ...],
+    ratio: float | None = None,
+    rank: int | None = None,
+    kv_latent: bool = False,
+    allocate: bool = False,
+    weighted: bool | None = None,
+) -> LowRankPlan:
+    """Validate a request against the model and give each unit its (uniform) rank; nothing is loaded."""
+    if method not in METRICS:
+        raise UserError(f"unknown low-rank method '{method}'; choose from {', '.join(METRICS)}")
+    reason = unsupported_reason(anatomy)
+    if reason:
+        raise UserError(f"cannot compress this model: {reason}")
+    targets = parse_targets(targets)
+    if (ratio is None) == (rank is None):
+        raise UserError("give the budget as exactly one of --ratio or --rank")
+    if kv_latent:
+        check_latent_support(anatomy, targets)
+    units = plan_units(anatomy, targets, kv_latent)
+    ranks = uniform_ranks(units, ratio, rank, kv_latent)
+    return LowRankPlan(
+        method=method,
+        targets=targets,
+        kv_latent=kv_latent,
+        weighted=(method == "svdllm") if weighted is None else weighted,
+        allocate=allocate,
+        units=units,
+        ranks=ranks,
+        kv_values_per_layer=anatomy.kv_values_per_layer,
+    )
+
+
+# --- consumer weights -------------------------------------------------------------------------------------
+
+
+def distance_offsets(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query-key distances 0..length-1 in a causal window and how many pairs have each."""
+    delta = torch.arange(length, dtype=torch.float64)
+    return delta, length - delta
+
+
+def rotation_average(Q: torch.Tensor, inv_freq: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """E_o[R_o^T Q R_o] for the half-split RoPE rotation R_o = diag(c) + diag(s) J (c, s: cos/sin of o * freq,
+    J x = rotate_half(x)), averaged over offsets o with the given weights, in O(d^2 * len(offsets)):
+    E[diag(u) Q diag(v)] = Q * E[u v^T] elementwise."""
+    angles = offsets[:, None] * inv_freq.double()[None]
+    c, s = torch.cos(angles).repeat(1, 2), torch.sin(angles).repeat(1, 2)  # [n, d]
+    w = (weights / weights.sum())[:, None]
+    cc, cs, ss = (w * c).T @ c, (w * c).T @ s, (w * s).T @ s
+    h = Q.shape[0] // 2
+    J = torch.zeros_like(Q)
+    J[:h, h:], J[h:, :h] = -torch.eye(h, dtype=Q.dtype), torch.eye(h, dtype=Q.dtype)
+    return Q * cc + (Q * cs) @ J + J.T @ (Q * cs.T) + J.T @ (Q * ss) @ J
+
+
+def head_moments(weight: torch.Tensor, bias: torch.Tensor | None, sigma: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """Per head, the second moment of its (pre-RoPE) output on the calibration inputs."""
+    Wa = augmented(weight, bias)
+    d = Wa.shape[0] // heads
+    return [Wa[h * d : (h + 1) * d] @ sigma @ Wa[h * d : (h + 1) * d].T for h in range(heads)]
+
+
+def block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
+    return torch.block_diag(*blocks)
+
+
+@dataclass
+class LayerContext:
+    """What the consumer weights of one layer need."""
+
+    attn: torch.nn.Module
+    x: InputStatistics  # attention input
+    o: InputStatistics  # o_proj input
+    inv_freq: torch.Tensor
+    heads: int
+    kv_heads: int
+    seq_len: int
+
+    def key_weight(self) -> torch.Tensor:
+        """Gd x Gd: per KV head, the rotation-averaged second moment of the queries that read it."""
+        q = head_moments(self.attn.q_proj.weight, self.attn.q_proj.bias, self.x.sigma, self.heads)
+        delta, w = distance_offsets(self.seq_len)
+        per_group = self.heads // self.kv_heads
+        return block_diagonal(
+            [rotation_average(sum(q[g * per_group : (g + 1) * per_group]), self.inv_freq, -delta, w) for g in range(self.kv_heads)]
+        )
+
+    def query_weight(self) -> torch.Tensor:
+        """Hd x Hd: per head, the rotation-averaged second moment of the keys it reads."""
+        k = head_moments(self.attn.k_proj.weight, self.attn.k_proj.bias, self.x.sigma, self.kv_heads)
+        delta, w = distance_offsets(self.seq_len)
+        per_group = self.heads // self.kv_heads
+        averaged = [rotation_average(k_g, self.inv_freq, delta, w) for k_g in k]
+        return block_diagonal([averaged[h // per_group] for h in range(self.heads)])
+
+    def value_weight(self) -> torch.Tensor:
+        """Gd x Gd: per KV head, the sum of W_o,h^T W_o,h over the heads that read it."""
+        Wo = self.attn.o_proj.weight.double()
+        d = Wo.shape[1] // self.heads
+        per_group = self.heads // self.kv_heads
+        blocks = []
+        for g in range(self.kv_heads):
+            cols = Wo[:, g * per_group * d : (g + 1) * per_group * d].reshape(Wo.shape[0], per_group, d)
+            blocks.append(torch.einsum("mhi,mhj->ij", cols, cols))
+        return block_diagonal(blocks)
+
+
+# --- factorization ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Decomposition:
+    """SVD of M = L^T W R and what maps its truncations back to factors of W."""
+
+    U: torch.Tensor
+    S: torch.Tensor
+    Vh: torch.Tensor
+    R_inv: torch.Tensor
+    L_inv_T: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def relative_error(self, rank: int) -> float:
+        energy = self.S.pow(2)
+        return float(energy[rank:].sum() / energy.sum().clamp_min(1e-300))
+
+    def factors(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down [r, n], up [m, r]) with the singular values split evenly between them."""
+        root = self.S[:rank].sqrt()
+        down = (root[:, None] * self.Vh[:rank]) @ self.R_inv
+        up = self.U[:, :rank] * root
+        if self.L_inv_T is not None:
+            up = self.L_inv_T @ up
+        return down, up
+
+
+def unit_weights(unit: Unit, attn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if unit.name == "kv":
+        W = torch.cat([attn.k_proj.weight, attn.v_proj.weight]).double()
+        biases = attn.k_proj.bias, attn.v_proj.bias
+        bias = None if biases[0] is None else torch.cat(biases).double()
+        return W, bias
+    linear = getattr(attn, PROJECTIONS[unit.name])
+    return linear.weight.double(), None if linear.bias is None else linear.bias.double()
+
+
+def consumer_weight(unit: Unit, ctx: LayerContext, W: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Omega for the unit (None for o_proj, whose output goes straight to the residual stream)."""
+    sigma = ctx.o.sigma if unit.name == "o" else ctx.x.sigma
+    energy = augmented(W, bias) @ sigma @ augmented(W, bias).T
+    if unit.name == "o":
+        return None
+    if unit.name == "q":
+        return rescaled(ctx.query_weight(), energy)
+    if unit.name == "k":
+        return rescaled(ctx.key_weight(), energy)
+    if unit.name == "v":
+        return rescaled(ctx.value_weight(), energy)
+    n = W.shape[0] // 2
+    return torch.block_diag(
+        rescaled(ctx.key_weight(), energy[:n, :n]), rescaled(ctx.value_weight(), energy[n:, n:])
+    )
+
+
+def decompose(unit: Unit, ctx: LayerContext, method: str, weighted: bool) -> Decomposition:
+    W, bias = unit_weights(unit, ctx.attn)
+    R, R_inv = METRICS[method].input_metric(ctx.o if unit.name == "o" else ctx.x)
+    M = W @ R
+    L_inv_T = None
+    if weighted:
+        omega = consumer_weight(unit, ctx, W, bias)
+        if omega is not None:
+            root, L_inv_T = sqrt_and_inverse_sqrt(omega)
+            M = root @ M
+    U, S, Vh = torch.linalg.svd(M, full_matrices=False)
+    return Decomposition(U, S, Vh, R_inv, L_inv_T, bias)
+
+
+def allocate_ranks(units: list[Unit], spectra: list[torch.Tensor], budget: int) -> list[int]:
+    """Greedy water-filling: every unit gets rank 1, then singular directions are taken in order of relative
+    energy per unit of cost until the budget (in cost units) is spent. Ranks stay below the break-even
+    rank (latents: the full rank)."""
+    ranks = [1] * len(units)
+    remaining = budget - sum(u.rank_cost for u in units)
+    gains, owners, costs = [], [], []
+    for i, (unit, s) in enumerate(zip(units, spectra)):
+        cap = unit.full_rank if unit.name == "kv" else max(1, unit.break_even - 1)
+        energy = s.pow(2) / s.pow(2).sum().clamp_min(1e-300)
+        gains.append(energy[1:cap] / unit.rank_cost)
+        owners.append(torch.full((max(0, min(cap, len(s)) - 1),), i))
+        costs.append(torch.full((max(0, min(cap, len(s)) - 1),), unit.rank_cost))
+    gains, owners, costs = torch.cat(gains), torch.cat(owners), torch.cat(costs)
+    order = gains.argsort(descending=True)
+    taken = order[costs[order].cumsum(0) <= remaining]
+    for i in owners[taken].tolist():
+        ranks[i] += 1
+    return ranks
+
+
+# --- assembly ---------------------------------------------------------------------------------------------
+
+
+def attnsurg_config(source: PreTrainedModel, family: Family, surgery: dict):
+    config_class, model_class = CLASSES[family.model_type]
+    fields = source.config.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "attnsurg"):
+        fields.pop(key, None)
+    config = config_class(**fields, attnsurg=surgery)
+    config.auto_map = auto_map(family.model_type)
+    config.architectures = [model_class.__name__]
+    return config
+
+
+def assemble(source: PreTrainedModel, family: Family, plan: LowRankPlan, factors: dict[Unit, tuple]) -> PreTrainedModel:
+    """The attnsurg model class of the family with the source's weights and the factorized units."""
+    config = attnsurg_config(source, family, plan.surgery(family))
+    model = CLASSES[family.model_type][1](config).to(source.dtype)
+    state = source.state_dict()
+    for unit, (down, up, bias) in factors.items():
+        prefix = f"{family.layers_path}.{unit.layer}.{family.attention_attr}."
+        if unit.name == "kv":
+            for name in ("k_proj", "v_proj"):
+                state.pop(prefix + f"{name}.weight")
+                state.pop(prefix + f"{name}.bias", None)
+            names = prefix + "kv_down", prefix + "kv_up"
+        else:
+            linear = prefix + PROJECTIONS[unit.name]
+            state.pop(linear + ".weight")
+            state.pop(linear + ".bias", None)
+            names = linear + ".down", linear + ".up"
+        state[names[0] + ".weight"], state[names[1] + ".weight"] = down, up
+        if bias is not None:
+            state[names[1] + ".bias"] = bias
+    state = {k: v.to(source.dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"low-rank assembly mismatch: missing {missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+@dataclass
+class LowRankResult:
+    model: PreTrainedModel
+    plan: LowRankPlan
+    errors: list[float] = field(default_factory=list)  # per unit: relative truncation energy (weighted metric)
+
+
+def layer_contexts(source: PreTrainedModel, family: Family, stats, seq_len: int) -> list[LayerContext]:
+    config = source.config
+    inv_freq = source.get_submodule(family.rotary_path).inv_freq
+    layers = source.get_submodule(family.layers_path)
+    return [
+        LayerContext(getattr(layer, family.attention_attr), x, o, inv_freq, config.num_attention_heads,
+                     config.num_key_value_heads, seq_len)
+        for layer, (x, o) in zip(layers, stats)
+    ]
+
+
+@torch.no_grad()
+def compress(
+    source: PreTrainedModel,
+    family: Family,
+    stats: list[tuple[InputStatistics, InputStatistics]],
+    plan: LowRankPlan,
+    seq_len: int,
+    progress=None,
+) -> LowRankResult:
+    """Factorize every unit of the plan from per-layer (attention input, o_proj input) statistics."""
+    contexts = layer_contexts(source, family, stats, seq_len)
+    if plan.allocate:
+        spectra = [decompose(u, contexts[u.layer], plan.method, plan.weighted).S for u in plan.units]
+        budget = sum(u.params(r) if u.name != "kv" else r for u, r in zip(plan.units, plan.ranks))
+        plan.ranks = allocate_ranks(plan.units, spectra, budget)
+    factors, errors = {}, []
+    for unit, rank in zip(plan.units, plan.ranks):
+        if rank is None:
+            errors.append(0.0)
+            continue
+        decomposition = decompose(unit, contexts[unit.layer], plan.method, plan.weighted)
+        down, up = decomposition.factors(rank)
+        factors[unit] = (down, up, decomposition.bias)
+        errors.append(decomposition.relative_error(rank))
+        if progress and (unit is plan.units[-1] or plan.units[plan.units.index(unit) + 1].layer != unit.layer):
+            progress()
+    return LowRankResult(assemble(source, family, plan, factors), plan, errors)

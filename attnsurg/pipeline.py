@@ -1,0 +1,61 @@
+"""Steps every surgery command shares: load the source, calibration windows, ppl before/after, timing."""
+
+from __future__ import annotations
+
+import resource
+import shlex
+import sys
+
+import torch
+from transformers import PreTrainedModel
+
+from attnsurg import ui
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.calibrate import calibration_windows
+from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.io.load import DTYPES, load_model, load_tokenizer
+from attnsurg.recipe import Calibration, ModelRef, TextData
+
+
+def command_line() -> str:
+    return "attnsurg " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def peak_memory_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def load_source(ref: ModelRef, source) -> tuple[PreTrainedModel, object]:
+    """The source model in float32 on the CPU (decompositions run in float64 from it) and its tokenizer."""
+    with ui.status(f"Loading {ref.ref}..."):
+        model = load_model(source, torch.float32, "cpu", ref.trust_remote_code, ref.allow_pickle)
+        tokenizer = load_tokenizer(source, ref.trust_remote_code)
+    return model, tokenizer
+
+
+def source_windows(tokenizer, calibration: Calibration, anatomy: AttentionAnatomy) -> torch.Tensor:
+    seq_len = min(calibration.seq_len, anatomy.max_positions or calibration.seq_len)
+    return calibration_windows(tokenizer, calibration.data, calibration.tokens, seq_len)
+
+
+def perplexity_before_after(
+    source: PreTrainedModel, result: PreTrainedModel, tokenizer, calibration: Calibration, eval_tokens: int,
+    anatomy: AttentionAnatomy,
+) -> tuple[float, float]:
+    """Token ppl of both models on the same first ``eval_tokens`` of the calibration text's eval part."""
+    data = TextData(dataset=calibration.data.dataset, text=calibration.data.text, part="eval")
+    length = min(1024, eval_tokens, anatomy.max_positions or 1024)
+    tokens, windows = eval_windows(tokenizer, data, length, eval_tokens)
+    return perplexity_of(source, tokens, windows), perplexity_of(result, tokens, windows)
+
+
+def to_source_dtype(model: PreTrainedModel, anatomy: AttentionAnatomy) -> PreTrainedModel:
+    """Fitted in float64, evaluated in float32, saved in the source's dtype."""
+    model.to(DTYPES.get(anatomy.dtype, torch.float32))
+    model.config.dtype = anatomy.dtype
+    return model
+
+
+def base_model_id(ref: str) -> str | None:
+    """The hub id for the card's ``base_model``, when the reference looks like one."""
+    return ref if "/" in ref and not ref.startswith((".", "/", "~")) else None

@@ -1,0 +1,288 @@
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import InputStatistics, attention_layers, input_statistics
+from attnsurg.cli import app
+from attnsurg.errors import UserError
+from attnsurg.io.load import load_model, resolve_source
+from attnsurg.linalg import cholesky_whitening
+from attnsurg.methods.lowrank import (
+    Unit,
+    allocate_ranks,
+    compress,
+    distance_offsets,
+    plan_lowrank,
+    rotation_average,
+)
+from attnsurg.modeling.modeling_attnsurg import LatentKVAttention, LowRankLinear
+
+from conftest import build_tiny
+
+VOCAB = 384
+
+
+def calibration(model, family: str, n: int = 4, length: int = 64, seed: int = 1):
+    windows = torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+    attns = attention_layers(model, family_for_surgery(family))
+    stats = input_statistics(model, attns + [a.o_proj for a in attns], windows)
+    return list(zip(stats[: len(attns)], stats[len(attns) :]))
+
+
+def held_out(seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(seed))
+
+
+def compressed(model, family: str, stats, **plan_args):
+    plan = plan_lowrank(inspect_config(model.config), **plan_args)
+    return compress(model, family_for_surgery(family), stats, plan, 64).model
+
+
+@torch.no_grad()
+def logit_error(a, b, ids, reduce="max") -> float:
+    diff = a(ids).logits - b(ids).logits
+    return diff.abs().max().item() if reduce == "max" else diff.pow(2).mean().item()
+
+
+@pytest.mark.parametrize("method", ["svd", "asvd", "svdllm"])
+@pytest.mark.parametrize(
+    "family, kv_heads, targets, rank, kv_latent",
+    [
+        ("llama", 4, "q,k,v,o", 64, False),  # MHA: every projection 64 x 64
+        ("llama", 2, "k,v", 32, False),  # GQA: k/v have G d = 32 rows
+        ("llama", 2, "k,v", 64, True),  # joint latent of [K; V], 64 rows
+        ("qwen2", 2, "k,v", 64, True),  # with k/v biases
+        ("qwen2", 2, "q,o", 64, False),
+    ],
+)
+def test_full_rank_reproduces_the_logits(method, family, kv_heads, targets, rank, kv_latent):
+    model = build_tiny(family, VOCAB, num_key_value_heads=kv_heads)
+    stats = calibration(model, family)
+    result = compressed(model, family, stats, method=method, targets=targets, rank=rank, kv_latent=kv_latent)
+    assert logit_error(result, model, held_out()) < 1e-4
+
+
+@pytest.mark.parametrize("kv_latent, targets", [(False, "q,k,v,o"), (True, "k,v")])
+def test_error_falls_as_the_budget_grows(kv_latent, targets):
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    stats = calibration(model, "llama")
+    errors = [
+        logit_error(compressed(model, "llama", stats, method="svdllm", targets=targets, ratio=r, kv_latent=kv_latent),
+                    model, held_out(), "mse")
+        for r in (0.25, 0.5, 0.75)
+    ]
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_whitening_beats_plain_svd_on_held_out_projection_outputs():
+    """SVD-LLM minimizes the output error on the calibration inputs; it should also win on fresh inputs
+    whose channels differ in scale, as real models' do (outlier channels)."""
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.copy_(torch.logspace(1, -1, 64)[torch.randperm(64, generator=torch.Generator().manual_seed(0))])
+    stats = calibration(model, "llama", n=8)
+    fresh = calibration(model, "llama", n=4, seed=7)
+    errors = {}
+    for method in ("svd", "svdllm"):
+        result = compressed(model, "llama", stats, method=method, targets="k,v", rank=8, weighted=False)
+        total = 0.0
+        for layer, (x, _) in enumerate(fresh):
+            for name in ("k_proj", "v_proj"):
+                dense = model.model.layers[layer].self_attn.get_submodule(name)
+                low = result.model.layers[layer].self_attn.get_submodule(name)
+                W = dense.weight.detach().double()
+                W_low = (low.up.weight @ low.down.weight).detach().double()
+                D = W - W_low
+                total += float(torch.trace(D @ x.sigma[:-1, :-1] @ D.T).detach())
+        errors[method] = total
+    assert errors["svdllm"] < 0.9 * errors["svd"]
+
+
+def test_singular_covariance_does_not_crash():
+    singular = torch.zeros(6, 6, dtype=torch.float64)
+    singular[:2, :2] = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    S = cholesky_whitening(singular)
+    assert torch.isfinite(S).all()
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    stats = calibration(model, "llama", n=1, length=8)  # 8 tokens, 64 channels: rank-deficient
+    result = compressed(model, "llama", stats, method="svdllm", targets="q,k,v,o", ratio=0.5)
+    assert torch.isfinite(result(held_out()).logits).all()
+
+
+def test_rotation_average_matches_brute_force():
+    torch.manual_seed(0)
+    d = 8
+    A = torch.randn(d, d, dtype=torch.float64)
+    Q = A @ A.T
+    inv_freq = 1.0 / (100 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    offsets, weights = distance_offsets(16)
+    expected = torch.zeros(d, d, dtype=torch.float64)
+    for o, w in zip(-offsets, weights):
+        c, s = torch.cos(o * inv_freq).repeat(2), torch.sin(o * inv_freq).repeat(2)
+        J = torch.zeros(d, d, dtype=torch.float64)
+        J[: d // 2, d // 2 :], J[d // 2 :, : d // 2] = -torch.eye(d // 2), torch.eye(d // 2)
+        R = torch.diag(c) + torch.diag(s) @ J
+        expected += w * R.T @ Q @ R
+    expected /= weights.sum()
+    assert torch.allclose(rotation_average(Q, inv_freq, -offsets, weights), expected, atol=1e-12)
+
+
+def test_allocation_minimizes_the_summed_relative_error_within_the_budget():
+    """Greedy water-filling against an exhaustive search over every split of the budget."""
+    import itertools
+
+    units = [Unit(i, "kv", 12, 12) for i in range(3)]
+    spectra = [torch.linspace(10, 1, 12), torch.linspace(10, 9, 12), torch.logspace(1, -3, 12)]
+
+    def total_error(ranks) -> float:
+        return sum(float(s[r:].pow(2).sum() / s.pow(2).sum()) for s, r in zip(spectra, ranks))
+
+    ranks = allocate_ranks(units, spectra, budget=15)
+    best = min((r for r in itertools.product(range(1, 13), repeat=3) if sum(r) <= 15), key=total_error)
+    assert sum(ranks) == 15 and total_error(ranks) == pytest.approx(total_error(best))
+    assert len(set(ranks)) > 1
+
+
+def test_latent_cache_decode_matches_recomputation():
+    model = build_tiny("qwen2", VOCAB, num_key_value_heads=2)
+    result = compressed(model, "qwen2", calibration(model, "qwen2"), method="svdllm", targets="k,v", ratio=0.5, kv_latent=True)
+    prompt = held_out()[:1, :8]
+    generated = result.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20, eos_token_id=None)
+    with torch.no_grad():
+        tokens = prompt
+        for _ in range(20):
+            next_token = result(tokens, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, next_token], dim=1)
+    assert torch.equal(generated, tokens)
+
+
+@pytest.fixture(scope="module")
+def written(tiny_checkpoints, corpus_file, tmp_path_factory):
+    """The tiny Llama GQA checkpoint compressed by the CLI to a 50% k/v latent."""
+    out = tmp_path_factory.mktemp("lowrank") / "kv50"
+    args = ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "svdllm", "--targets", "k,v", "--kv-latent",
+            "--ratio", "0.5", "--calib-text", str(corpus_file), "--calib-tokens", "512", "--eval-tokens", "256", "-o", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_checkpoint_stores_factors_not_dense_weights(written):
+    config = json.loads((written / "config.json").read_text())
+    assert config["model_type"] == "attnsurg_llama"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_attnsurg.AttnsurgLlamaForCausalLM"
+    assert config["attnsurg"]["kv_latent"] == {"0": 32, "1": 32}
+    with safe_open(written / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.self_attn.kv_down.weight" in keys
+    assert not any(k.endswith(("k_proj.weight", "v_proj.weight")) for k in keys)
+    assert (written / "modeling_attnsurg.py").is_file() and (written / "attnsurg_recipe.yaml").is_file()
+    assert "Ranks per module" in (written / "README.md").read_text()
+
+
+REMOTE_LOAD = """
+import sys, torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert "attnsurg" not in sys.modules and type(model).__module__.startswith("transformers_modules")
+ids = torch.load(sys.argv[2], weights_only=True)
+with torch.no_grad():
+    save_file({"logits": model(ids).logits.contiguous()}, sys.argv[3])
+"""
+
+
+def test_loads_with_remote_code_and_with_attnsurg_alike(written, tmp_path):
+    """A separate interpreter without attnsurg loads through the copied modeling file; same logits."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    ours = load_model(resolve_source(str(written)))
+    assert isinstance(ours.model.layers[0].self_attn, LatentKVAttention)
+    ids = held_out()
+    torch.save(ids, tmp_path / "ids.pt")
+    subprocess.run([sys.executable, "-c", REMOTE_LOAD, str(written), str(tmp_path / "ids.pt"), str(tmp_path / "logits.safetensors")],
+                   check=True, cwd=tmp_path, env={"HF_HOME": str(tmp_path / "hf"), "PATH": ""})
+    with torch.no_grad():
+        assert torch.equal(load_file(tmp_path / "logits.safetensors")["logits"], ours(ids).logits)
+
+
+def test_anatomy_reports_the_latent_cache(written):
+    from attnsurg.info import inspect_model
+    from attnsurg.recipe import ModelRef
+
+    _, _, anatomy = inspect_model(ModelRef(ref=str(written)))
+    assert anatomy.kv_values_per_token == 2 * 32  # two layers, latent rank 32 (was 2 x 64)
+    assert anatomy.attention_kind == "gqa+latent"
+
+
+def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
+    from attnsurg.io.save import write_checkpoint
+    from attnsurg.io.card import CardInfo
+
+    source = load_model(resolve_source(str(tiny_checkpoints["qwen2"])))
+    result = compressed(source, "qwen2", calibration(source, "qwen2"), method="asvd", targets="q,k,v,o", ratio=0.5)
+    assert isinstance(result.model.layers[0].self_attn.q_proj, LowRankLinear)
+    write_checkpoint(result, None, tmp_path / "out", CardInfo(title="t", summary="s"))
+    reloaded = load_model(resolve_source(str(tmp_path / "out")))
+    assert logit_error(result, reloaded, held_out()) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"rank": 0}, "at least 1"),
+        ({"rank": 33}, "exceeds the full rank 32"),
+        ({"ratio": 0.0}, "(0, 1]"),
+        ({"ratio": 1.5}, "(0, 1]"),
+        ({"ratio": 0.5, "rank": 4}, "exactly one"),
+        ({"ratio": 0.5, "targets": "q,x"}, "unknown target 'x'"),
+        ({"ratio": 0.5, "kv_latent": True, "targets": "q,k,v"}, "--targets k,v"),
+        ({"ratio": 0.5, "method": "pca"}, "unknown low-rank method"),
+    ],
+)
+def test_bad_budgets_and_targets(kwargs, fragment):
+    anatomy = inspect_config(build_tiny("llama", VOCAB, num_key_value_heads=2).config)
+    args = {"method": "svdllm", "targets": "q,k,v,o", **kwargs}
+    with pytest.raises(UserError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        plan_lowrank(anatomy, **args)
+
+
+def test_sliding_window_refused_for_latent():
+    anatomy = inspect_config(build_tiny("mistral", VOCAB, num_key_value_heads=2, sliding_window=16).config)
+    with pytest.raises(UserError, match="sliding window"):
+        plan_lowrank(anatomy, "svdllm", "k,v", ratio=0.5, kv_latent=True)
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tiny_checkpoints, tmp_path):
+    out = tmp_path / "never"
+    result = CliRunner().invoke(app, ["compress", str(tiny_checkpoints["llama-gqa"]), "--rank", "0", "-o", str(out)])
+    assert result.exit_code == 2
+    assert len(result.output.strip().splitlines()) == 1 and "--rank" in result.output
+    assert not out.exists()
+
+
+def test_cli_dry_run_prints_ranks_and_writes_nothing(tiny_checkpoints, tmp_path):
+    result = CliRunner().invoke(app, ["compress", str(tiny_checkpoints["mistral"]), "--ratio", "0.5", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    assert record["written"] is None and record["plan"][0]["q"] == 16  # 0.5 * 64*64/128
+    assert record["kept_fraction"] == pytest.approx(0.5, abs=0.02)
+
+
+def test_input_statistics_accumulate_the_augmented_moment():
+    stats = InputStatistics()
+    x = torch.randn(3, 5, 4)
+    stats.add(x[:2])
+    stats.add(x[2:])
+    xa = torch.cat([x.reshape(-1, 4), torch.ones(15, 1)], 1).double()
+    assert torch.allclose(stats.sigma, xa.T @ xa / 15)
+    assert torch.allclose(stats.abs_mean, x.reshape(-1, 4).abs().mean(0).double())

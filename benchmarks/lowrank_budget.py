@@ -1,0 +1,118 @@
+"""Low-rank compression of the demo model: every method against the original in the same run.
+
+    python benchmarks/lowrank_budget.py [--kv-ratios 0.5 0.25] [--param-ratio 0.6] [--windows 4] [--calib-tokens 4096]
+
+Calibrates once on the calibration half of wiki-sample (statistics shared by every row), evaluates on the
+first WINDOWS x 1024 tokens of its evaluation half (disjoint windows, fp32), no healing. Two tables:
+
+- k/v latent (``--kv-latent``) at each KV ratio: svd, asvd, svdllm (plain), svdllm (consumer-weighted),
+  svdllm weighted + allocate;
+- q,k,v,o at ``--param-ratio`` of the attention parameters: the same five rows.
+
+Each row: ppl, ratio to the original, kept fraction, factorization seconds (calibration excluded, reported
+once), KV bytes/token (bf16) read from a transformers cache after a forward. Writes
+benchmarks/results/lowrank_budget.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_layers, calibration_windows, input_statistics
+from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.io.load import load_model, load_tokenizer, resolve_source
+from attnsurg.methods.lowrank import compress, plan_lowrank
+from attnsurg.recipe import TextData
+
+VARIANTS = [  # label, method, weighted, allocate
+    ("svd", "svd", False, False),
+    ("asvd", "asvd", False, False),
+    ("svdllm (plain whitening)", "svdllm", False, False),
+    ("svdllm + consumer weights", "svdllm", True, False),
+    ("svdllm + weights + allocate", "svdllm", True, True),
+]
+
+
+@torch.inference_mode()
+def cache_bytes_per_token(model, context: int = 256) -> float:
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.zeros(1, context, dtype=torch.long), cache=cache, use_cache=True)
+    total = sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))  # as bf16
+    return total / context
+
+
+def run_rows(model, family, anatomy, stats, seq_len, tokens, plan_windows, original, ratio, targets, kv_latent):
+    rows = []
+    for label, method, weighted, allocate in VARIANTS:
+        plan = plan_lowrank(anatomy, method, targets, ratio=ratio, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
+        start = time.perf_counter()
+        result = compress(model, family, stats, plan, seq_len)
+        seconds = time.perf_counter() - start
+        ppl = perplexity_of(result.model, tokens, plan_windows)
+        rows.append({"variant": label, "ratio_requested": ratio, "kept": result.plan.kept_fraction, "ppl": ppl,
+                     "ppl_ratio": ppl / original, "factorize_s": seconds,
+                     "kv_bytes_per_token": cache_bytes_per_token(result.model),
+                     "params_after": result.plan.params_after(), "flops_after": 2 * result.plan.params_after()})
+        print(f"  {label}: ppl {ppl:.3f} (x{ppl / original:.3f}), {seconds:.1f} s", flush=True)
+    return rows
+
+
+def print_table(title: str, rows: list[dict], original: float) -> None:
+    print(f"\n{title} (original ppl {original:.3f})\n")
+    print("| variant | kept | ppl | ratio | factorize s | KV B/token (bf16) | projection params |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['kept']:.3f} | {r['ppl']:.3f} | {r['ppl_ratio']:.3f} | {r['factorize_s']:.1f} | "
+              f"{r['kv_bytes_per_token']:,.0f} | {r['params_after']:,} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--kv-ratios", type=float, nargs="*", default=[0.5, 0.25])
+    parser.add_argument("--param-ratio", type=float, nargs="*", default=[0.6])
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--calib-tokens", type=int, default=4096)
+    args = parser.parse_args()
+
+    source = resolve_source(args.model)
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    anatomy = inspect_config(model.config)
+    family = family_for_surgery(anatomy.model_type)
+    tokens, plan_windows = eval_windows(tokenizer, TextData(dataset="wiki-sample", part="eval"), 1024, args.windows * 1024)
+    original = perplexity_of(model, tokens, plan_windows)
+    start = time.perf_counter()
+    windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
+    attns = attention_layers(model, family)
+    flat = input_statistics(model, attns + [a.o_proj for a in attns], windows)
+    stats = list(zip(flat[: len(attns)], flat[len(attns) :]))
+    calibration_s = time.perf_counter() - start
+    record = {"original_ppl": original, "calibration_s": calibration_s, "original_kv_bytes_per_token": cache_bytes_per_token(model),
+              "tables": {}}
+    for ratio in args.kv_ratios:
+        print(f"k/v latent at {ratio} of the KV cache", flush=True)
+        rows = run_rows(model, family, anatomy, stats, windows.shape[1], tokens, plan_windows, original, ratio, "k,v", True)
+        record["tables"][f"kv_latent_{ratio}"] = rows
+    for ratio in args.param_ratio:
+        print(f"q,k,v,o at {ratio} of the attention parameters", flush=True)
+        rows = run_rows(model, family, anatomy, stats, windows.shape[1], tokens, plan_windows, original, ratio, "q,k,v,o", False)
+        record["tables"][f"qkvo_{ratio}"] = rows
+    print(f"\ncalibration ({args.calib_tokens} tokens, shared by every row): {calibration_s:.1f} s; "
+          f"original KV B/token (bf16): {record['original_kv_bytes_per_token']:,.0f}")
+    for name, rows in record["tables"].items():
+        print_table(name.replace("_", " "), rows, original)
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
+    (results / "lowrank_budget.json").write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -143,14 +143,28 @@ def info_table(record: dict) -> Table:
         ("max positions", str(a["max_positions"])),
         ("tied embeddings", _yes_no(a["tied_embeddings"])),
         ("parameters (attention / total)", f"{a['attention_parameters']:,} / {a['total_parameters']:,} ({attn_share:.1%})"),
-        ("KV values per token", f"{a['kv_values_per_token']:,} ({a['kv_values_per_layer']} per layer)"),
+        ("KV values per token", f"{a['kv_values_per_token']:,} ("
+         + ("mean " if len(set(a["kv_layer_values"])) > 1 else "") + f"{a['kv_values_per_layer']} per layer)"),
         (f"KV bytes per token ({a['dtype']})", f"{a['kv_bytes_per_token']:,}"),
         ("KV bytes per token (bfloat16)", f"{a['kv_bytes_per_token_bf16']:,}"),
         ("methods", methods_cell(record["methods"])),
     ]
+    if a["surgery"]:
+        rows.insert(-1, ("surgery", surgery_cell(a["surgery"])))
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def surgery_cell(surgery: dict) -> str:
+    """What attnsurg did to a checkpoint it wrote: method and the spread of ranks."""
+    lines = [f"{surgery.get('method', '?')}" + (", consumer-weighted" if surgery.get("weighted") else "")]
+    for key, label in (("low_rank", "low-rank projections"), ("kv_latent", "k/v latent layers")):
+        ranks = list((surgery.get(key) or {}).values())
+        if ranks:
+            spread = str(ranks[0]) if min(ranks) == max(ranks) else f"{min(ranks)}-{max(ranks)}"
+            lines.append(f"{len(ranks)} {label}, rank {spread}")
+    return "\n".join(lines)
 
 
 def methods_cell(methods: dict[str, str | None]) -> str:

@@ -143,10 +143,12 @@ def test_allocation_minimizes_the_summed_relative_error_within_the_budget():
     def total_error(ranks) -> float:
         return sum(float(s[r:].pow(2).sum() / s.pow(2).sum()) for s, r in zip(spectra, ranks))
 
-    ranks = allocate_ranks(units, spectra, budget=15)
-    best = min((r for r in itertools.product(range(1, 13), repeat=3) if sum(r) <= 15), key=total_error)
+    floors = [2, 2, 1]
+    ranks = allocate_ranks(units, spectra, budget=15, floors=floors)
+    feasible = (r for r in itertools.product(range(1, 13), repeat=3) if sum(r) <= 15 and all(map(int.__ge__, r, floors)))
+    best = min(feasible, key=total_error)
     assert sum(ranks) == 15 and total_error(ranks) == pytest.approx(total_error(best))
-    assert len(set(ranks)) > 1
+    assert len(set(ranks)) > 1 and all(r >= f for r, f in zip(ranks, floors))
 
 
 def test_latent_cache_decode_matches_recomputation():

@@ -47,6 +47,7 @@ class AttentionAnatomy:
     total_parameters: int
     mla: dict[str, int] = field(default_factory=dict)
     kv_layer_values: tuple[int, ...] = ()  # per layer, where layers differ (low-rank k/v latents)
+    surgery: dict = field(default_factory=dict)  # config.attnsurg of a checkpoint attnsurg wrote
 
     @property
     def kv_values_per_token(self) -> int:
@@ -192,4 +193,5 @@ def inspect_config(config: PretrainedConfig, trust_remote_code: bool = False) ->
         total_parameters=count_parameters(model),
         mla=mla,
         kv_layer_values=layer_values,
+        surgery=dict(getattr(config, "attnsurg", None) or {}),
     )

@@ -20,7 +20,8 @@ instead of K and V (Palu, Chang et al. 2024): a real KV-cache saving of r / (2 G
 
 ``allocate``: one global budget spread over all layers and projections by greedy water-filling on the
 relative truncation energy per unit of cost (parameters, or cached values for latents), which is optimal
-for the sum of relative errors since each spectrum is sorted.
+for the sum of relative errors since each spectrum is sorted; every unit keeps at least 3/4 of its
+uniform rank.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from attnsurg.modeling.modeling_attnsurg import CLASSES
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 METRICS = {module.NAME: module for module in (svd, asvd, svdllm)}
+ALLOCATION_FLOOR = 0.75
 
 
 def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
@@ -304,7 +306,7 @@ class Decomposition:
 
     def relative_error(self, rank: int) -> float:
         energy = self.S.pow(2)
-        return float(energy[rank:].sum() / energy.sum().clamp_min(1e-300))
+        return float((energy[rank:].sum() / energy.sum().clamp_min(1e-300)).detach())
 
     def factors(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(down [r, n], up [m, r]) with the singular values split evenly between them."""
@@ -358,25 +360,32 @@ def decompose(unit: Unit, ctx: LayerContext, method: str, weighted: bool) -> Dec
     return Decomposition(U, S, Vh, R_inv, L_inv_T, bias)
 
 
-def allocate_ranks(units: list[Unit], spectra: list[torch.Tensor], budget: int) -> list[int]:
-    """Greedy water-filling: every unit gets rank 1, then singular directions are taken in order of relative
-    energy per unit of cost until the budget (in cost units) is spent. Ranks stay below the break-even
-    rank (latents: the full rank)."""
-    ranks = [1] * len(units)
-    remaining = budget - sum(u.rank_cost for u in units)
+def allocate_ranks(units: list[Unit], spectra: list[torch.Tensor], budget: int, floors: list[int]) -> list[int]:
+    """Greedy water-filling: every unit starts at its floor rank, then singular directions are taken in order
+    of relative energy per unit of cost until the budget (in cost units) is spent. Ranks stay below the
+    break-even rank (latents: the full rank)."""
+    ranks = list(floors)
+    remaining = budget - sum(r * u.rank_cost for r, u in zip(floors, units))
     gains, owners, costs = [], [], []
     for i, (unit, s) in enumerate(zip(units, spectra)):
-        cap = unit.full_rank if unit.name == "kv" else max(1, unit.break_even - 1)
+        cap = min(len(s), unit.full_rank if unit.name == "kv" else max(1, unit.break_even - 1))
         energy = s.pow(2) / s.pow(2).sum().clamp_min(1e-300)
-        gains.append(energy[1:cap] / unit.rank_cost)
-        owners.append(torch.full((max(0, min(cap, len(s)) - 1),), i))
-        costs.append(torch.full((max(0, min(cap, len(s)) - 1),), unit.rank_cost))
+        candidates = energy[floors[i] : cap]
+        gains.append(candidates / unit.rank_cost)
+        owners.append(torch.full((len(candidates),), i))
+        costs.append(torch.full((len(candidates),), unit.rank_cost))
     gains, owners, costs = torch.cat(gains), torch.cat(owners), torch.cat(costs)
     order = gains.argsort(descending=True)
     taken = order[costs[order].cumsum(0) <= remaining]
     for i in owners[taken].tolist():
         ranks[i] += 1
     return ranks
+
+
+def allocation_floors(units: list[Unit], uniform: list[int | None]) -> list[int]:
+    """No unit below ALLOCATION_FLOOR of its uniform rank: relative energy does not see how much the loss
+    depends on each layer, and starving a few layers entirely was measured to cost more than it saves."""
+    return [max(1, int(ALLOCATION_FLOOR * (r if r is not None else u.break_even))) for u, r in zip(units, uniform)]
 
 
 # --- assembly ---------------------------------------------------------------------------------------------
@@ -455,7 +464,7 @@ def compress(
     if plan.allocate:
         spectra = [decompose(u, contexts[u.layer], plan.method, plan.weighted).S for u in plan.units]
         budget = sum(u.params(r) if u.name != "kv" else r for u, r in zip(plan.units, plan.ranks))
-        plan.ranks = allocate_ranks(plan.units, spectra, budget)
+        plan.ranks = allocate_ranks(plan.units, spectra, budget, allocation_floors(plan.units, plan.ranks))
     factors, errors = {}, []
     for unit, rank in zip(plan.units, plan.ranks):
         if rank is None:

@@ -332,13 +332,14 @@ def convert(
 
 # ------------------------------------------------------------------------------------------ compress
 LOW_RANK_METHODS = ("svd", "asvd", "svdllm")
+TENSOR_METHODS = ("tucker", "cp")
 
 
 @app.command()
 @user_errors
 def compress(
     model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
-    method: Annotated[str, typer.Option("--method", "-m", help="svd, asvd or svdllm.")] = "svdllm",
+    method: Annotated[str, typer.Option("--method", "-m", help="svd, asvd, svdllm (low rank) or tucker, cp (tensor).")] = "svdllm",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
     targets: Annotated[str, typer.Option("--targets", help="Projections to factorize, comma-separated from q,k,v,o.")] = "q,k,v,o",
     ratio: Annotated[
@@ -346,7 +347,12 @@ def compress(
         typer.Option("--ratio", help="Fraction of the targeted projections' parameters kept, in (0, 1]; "
                      "with --kv-latent, the fraction of the KV cache kept."),
     ] = None,
-    rank: Annotated[Optional[int], typer.Option("--rank", help="One rank for every targeted projection (instead of --ratio).")] = None,
+    rank: Annotated[
+        Optional[int], typer.Option("--rank", help="One rank for every targeted projection (low rank, cp; instead of --ratio).")
+    ] = None,
+    ranks: Annotated[
+        Optional[str], typer.Option("--ranks", help="Tucker mode ranks heads,head_dim,hidden (instead of --ratio).")
+    ] = None,
     kv_latent: Annotated[
         bool, typer.Option("--kv-latent", help="k and v share one cached latent per layer (a real KV-cache saving; --targets k,v).")
     ] = False,
@@ -368,31 +374,39 @@ def compress(
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Compress attention projections to low rank and write a new checkpoint."""
+    """Compress attention projections (low rank or tensor-decomposed) and write a new checkpoint."""
     from attnsurg.compress import projection_flops, rank_rows, run_compress
     from attnsurg.methods.lowrank import parse_targets
-    from attnsurg.recipe import Calibration, CompressLowRank, ModelRef, TextData
+    from attnsurg.recipe import Calibration, CompressHeadTensor, CompressLowRank, ModelRef, TextData
 
-    if method not in LOW_RANK_METHODS:
-        raise UserError(f"--method {method} is not available; choose from {', '.join(LOW_RANK_METHODS)}")
+    if method not in LOW_RANK_METHODS + TENSOR_METHODS:
+        raise UserError(f"--method {method} is not available; choose from {', '.join(LOW_RANK_METHODS + TENSOR_METHODS)}")
     if output is None and not dry_run:
         raise UserError("missing --output/-o: the directory to write the compressed checkpoint to")
     calibration_data = TextData(text=calib_text, part="calib") if calib_text else TextData(dataset=calib_dataset, part="calib")
-    request = CompressLowRank(
+    common = dict(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
         output=output or Path("."),
         method=method,
         targets=parse_targets(targets),
         ratio=ratio,
-        rank=rank,
-        kv_latent=kv_latent,
-        allocate=allocate,
-        weighted=weighted,
         calibration=Calibration(data=calibration_data, tokens=calib_tokens),
         eval_tokens=eval_tokens,
         overwrite=overwrite,
         seed=seed,
     )
+    if method in TENSOR_METHODS:
+        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--weighted/--unweighted": weighted is not None})
+        if method == "tucker" and rank is not None:
+            raise UserError("tucker takes one rank per mode: --ranks heads,head_dim,hidden (e.g. --ranks 9,48,160)")
+        if method == "cp" and ranks is not None:
+            raise UserError("cp takes a single rank: --rank R")
+        mode_ranks = parse_ranks(ranks) if ranks is not None else (rank,) if rank is not None else None
+        request = CompressHeadTensor(**common, ranks=mode_ranks)
+    else:
+        if ranks is not None:
+            raise UserError(f"--ranks is for tucker; {method} takes one rank: --rank R")
+        request = CompressLowRank(**common, rank=rank, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
     report = run_compress(request, dry_run=dry_run)
     plan = report.plan
     rows = rank_rows(plan)
@@ -404,7 +418,7 @@ def compress(
                   "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after}
         print(json.dumps(record, indent=2))
         return
-    out.print(lowrank_plan_table(model, plan, rows, allocated_later=dry_run and plan.allocate))
+    out.print(lowrank_plan_table(model, plan, rows, dry_run))
     budget = "KV cache" if plan.kv_latent else "targeted parameters"
     out.print(
         f"kept {plan.kept_fraction:.3f} of the {budget}; projection params {plan.params_before():,} -> {plan.params_after():,}, "
@@ -417,12 +431,29 @@ def compress(
         out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
 
 
-def lowrank_plan_table(model: str, plan, rows: list[dict], allocated_later: bool) -> Table:
+def reject_options(method: str, given: dict[str, bool]) -> None:
+    used = [flag for flag, on in given.items() if on]
+    if used:
+        raise UserError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to --method {method}")
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--ranks expects comma-separated integers such as 9,48,160, got '{text}'") from None
+
+
+def lowrank_plan_table(model: str, plan, rows: list[dict], dry_run: bool) -> Table:
     """Ranks per layer; consecutive layers with the same ranks share one row."""
     from attnsurg.methods.lowrank import PROJECTIONS
 
     names = ["kv"] if plan.kv_latent else list(plan.targets)
-    note = " (uniform; --allocate redistributes after calibration)" if allocated_later else ""
+    note = ""
+    if dry_run and plan.allocate:
+        note = " (uniform; --allocate redistributes after calibration)"
+    if dry_run and getattr(plan, "choose_ranks", False):
+        note = " (Tucker heads x head_dim x hidden; the split between modes is chosen per projection after calibration)"
     table = Table(title=f"{plan.method} plan for {model}{note}", title_justify="left")
     table.add_column("layers", justify="right")
     for name in names:
@@ -438,7 +469,7 @@ def lowrank_plan_table(model: str, plan, rows: list[dict], allocated_later: bool
     for group in groups:
         first, last = group[0], group[-1]
         span = str(first["layer"]) if first is last else f"{first['layer']}-{last['layer']}"
-        cells = ["dense" if first[n] is None else str(first[n]) for n in names]
+        cells = [first[n] for n in names]
         table.add_row(span, *cells, f"{first['params_before']:,} -> {first['params_after']:,}")
     return table
 

@@ -1,4 +1,8 @@
-"""``attnsurg compress``: plan -> load -> calibrate -> factorize -> evaluate -> write, for low-rank methods."""
+"""``attnsurg compress``: plan -> load -> calibrate -> factorize -> evaluate -> write.
+
+Low-rank methods (svd, asvd, svdllm) and tensor methods (tucker, cp) share this pipeline; their plans
+answer the same questions (units, ranks, parameters, FLOPs, KV values).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.save import check_output_path, write_checkpoint
+from attnsurg.methods.headtensor import HeadTensorPlan, compress_head_tensor, plan_head_tensor
 from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
 from attnsurg.modeling import MODELING_FILE
 from attnsurg.pipeline import (
@@ -26,12 +31,15 @@ from attnsurg.pipeline import (
     source_windows,
     to_source_dtype,
 )
-from attnsurg.recipe import CompressLowRank
+from attnsurg.recipe import CompressHeadTensor, CompressLowRank
+
+Plan = LowRankPlan | HeadTensorPlan
+Request = CompressLowRank | CompressHeadTensor
 
 
 @dataclass
 class CompressReport:
-    plan: LowRankPlan
+    plan: Plan
     anatomy: AttentionAnatomy
     written: str | None = None
     seconds: float = 0.0
@@ -42,32 +50,42 @@ class CompressReport:
     errors: list[float] = field(default_factory=list)
 
 
-def projection_flops(plan: LowRankPlan) -> tuple[int, int]:
-    """Multiply-adds x 2 per token in the targeted projections, before and after."""
-    return 2 * plan.params_before(), 2 * plan.params_after()
+def projection_flops(plan: Plan) -> tuple[int, int]:
+    """FLOPs per token in the targeted projections, before and after."""
+    return plan.flops_before(), plan.flops_after()
 
 
-def rank_rows(plan: LowRankPlan) -> list[dict]:
-    """Per layer: the rank of each unit (None = dense), with parameters before/after."""
+def unit_params(plan: Plan, index: int, after: bool) -> int:
+    unit, ranks = plan.units[index], plan.ranks[index]
+    if isinstance(plan, HeadTensorPlan):
+        return plan.params(unit, ranks if after else None)
+    return unit.params(ranks if after else None)
+
+
+def rank_rows(plan: Plan) -> list[dict]:
+    """Per layer: the rank label of each unit ("dense" when kept dense), with parameters before/after."""
     rows: dict[int, dict] = {}
-    for unit, rank in zip(plan.units, plan.ranks):
+    for i, unit in enumerate(plan.units):
         row = rows.setdefault(unit.layer, {"layer": unit.layer, "params_before": 0, "params_after": 0})
-        row[unit.name] = rank
-        row["params_before"] += unit.params(None)
-        row["params_after"] += unit.params(rank)
+        row[unit.name] = plan.rank_label(i)
+        row["params_before"] += unit_params(plan, i, after=False)
+        row["params_after"] += unit_params(plan, i, after=True)
     return list(rows.values())
 
 
-def plan_request(request: CompressLowRank):
+def plan_request(request: Request):
     source, _, anatomy = inspect_model(request.model)
-    plan = plan_lowrank(
-        anatomy, request.method, request.targets, request.ratio, request.rank,
-        request.kv_latent, request.allocate, request.weighted,
-    )
+    if isinstance(request, CompressHeadTensor):
+        plan = plan_head_tensor(anatomy, request.method, request.targets, request.ratio, request.ranks)
+    else:
+        plan = plan_lowrank(
+            anatomy, request.method, request.targets, request.ratio, request.rank,
+            request.kv_latent, request.allocate, request.weighted,
+        )
     return source, anatomy, plan
 
 
-def run_compress(request: CompressLowRank, dry_run: bool = False) -> CompressReport:
+def run_compress(request: Request, dry_run: bool = False) -> CompressReport:
     source, anatomy, plan = plan_request(request)
     report = CompressReport(plan, anatomy)
     if dry_run:
@@ -81,9 +99,12 @@ def run_compress(request: CompressLowRank, dry_run: bool = False) -> CompressRep
     attentions = attention_layers(model, family)
     stats = input_statistics(model, attentions + [getattr(a, PROJECTIONS["o"]) for a in attentions], windows)
     started = time.perf_counter()
+    layer_stats = list(zip(stats[: len(attentions)], stats[len(attentions) :]))
     with ui.progress_bar(f"Factorizing ({plan.method})", total=anatomy.num_layers, unit="layers") as advance:
-        result = compress(model, family, list(zip(stats[: len(attentions)], stats[len(attentions) :])), plan,
-                          windows.shape[1], progress=advance)
+        if isinstance(plan, HeadTensorPlan):
+            result = compress_head_tensor(model, family, layer_stats, plan, request.seed, progress=advance)
+        else:
+            result = compress(model, family, layer_stats, plan, windows.shape[1], progress=advance)
     report.factorize_seconds = time.perf_counter() - started
     report.plan, report.errors = result.plan, result.errors
     if request.eval_tokens:
@@ -101,20 +122,40 @@ def run_compress(request: CompressLowRank, dry_run: bool = False) -> CompressRep
     return report
 
 
-def rank_table(plan: LowRankPlan) -> str:
+def rank_table(plan: Plan) -> str:
     names = ["kv"] if plan.kv_latent else list(plan.targets)
     header = "| layer | " + " | ".join("k/v latent" if n == "kv" else PROJECTIONS[n] for n in names) + " |"
     lines = [header, "|---" * (len(names) + 1) + "|"]
     for row in rank_rows(plan):
-        lines.append(f"| {row['layer']} | " + " | ".join("dense" if row[n] is None else str(row[n]) for n in names) + " |")
+        lines.append(f"| {row['layer']} | " + " | ".join(row[n] for n in names) + " |")
+    if isinstance(plan, HeadTensorPlan):
+        lines.append("\n" + RANK_NOTES[plan.method])
     return "\n".join(lines)
 
 
-def lowrank_card(request: CompressLowRank, report: CompressReport) -> CardInfo:
+RANK_NOTES = {
+    "tucker": "Tucker ranks are heads x head_dim x hidden; the hidden factor is computed once per token for all heads.",
+    "cp": "CP rank R: one shared hidden -> R projection per token, a mixing vector per head, one R -> head_dim map.",
+}
+
+
+def budget_details(request: Request, plan: Plan) -> str:
+    if isinstance(plan, HeadTensorPlan):
+        budget = f"ratio {request.ratio}" if request.ratio is not None else f"ranks {','.join(map(str, request.ranks))}"
+        split = "; Tucker mode ranks chosen per projection by HOSVD error" if plan.choose_ranks else ""
+        return f"budget: {budget} (fraction of the targeted parameters kept; achieved {plan.kept_fraction:.3f}){split}"
+    budget = f"ratio {request.ratio}" if request.ratio is not None else f"rank {request.rank}"
+    kind = "fraction of the KV cache kept" if plan.kv_latent else "fraction of the targeted parameters kept"
+    spread = "allocated over layers by truncation energy" if plan.allocate else "uniform ranks"
+    return f"budget: {budget} ({kind}; achieved {plan.kept_fraction:.3f}), {spread}"
+
+
+def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
     plan, anatomy = report.plan, report.anatomy
     calib = request.calibration
     data = calib.data.dataset or str(calib.data.text)
     flops_before, flops_after = projection_flops(plan)
+    tensor = isinstance(plan, HeadTensorPlan)
     kv_after = plan.kv_values_after()
     figures = [
         {"metric": "parameters in the targeted projections", "before": f"{plan.params_before():,}", "after": f"{plan.params_after():,}"},
@@ -127,14 +168,13 @@ def lowrank_card(request: CompressLowRank, report: CompressReport) -> CardInfo:
     if report.ppl_before is not None:
         figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",
                         "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
-    budget = f"ratio {request.ratio}" if request.ratio is not None else f"rank {request.rank}"
     kv_note = (
         " k and v share one cached latent per layer (rebuilt to K and V at every step, RoPE applied after), so "
         "the KV cache holds the latent only; rebuilding costs 2 x rank x 2 G d FLOPs per cached token per step."
         if plan.kv_latent else ""
     )
     return CardInfo(
-        title=f"{request.model.ref} with low-rank attention ({plan.method})",
+        title=f"{request.model.ref} with {'tensor-decomposed' if tensor else 'low-rank'} attention ({plan.method})",
         summary=(
             f"Attention projections factorized by attnsurg ({plan.method}).{kv_note} Load with "
             "`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` (the modeling code ships in "
@@ -143,9 +183,9 @@ def lowrank_card(request: CompressLowRank, report: CompressReport) -> CardInfo:
         base_model=base_model_id(request.model.ref),
         command=command_line(),
         details=[
-            f"budget: {budget} ({'fraction of the KV cache kept' if plan.kv_latent else 'fraction of the targeted parameters kept'}; "
-            f"achieved {plan.kept_fraction:.3f}), {'allocated over layers by truncation energy' if plan.allocate else 'uniform ranks'}",
-            f"targets: {', '.join(PROJECTIONS[t] for t in plan.targets)}; consumer-weighted: {plan.weighted}",
+            budget_details(request, plan),
+            f"targets: {', '.join(PROJECTIONS[t] for t in plan.targets)}"
+            + ("; fitted to the whitened calibration inputs" if tensor else f"; consumer-weighted: {plan.weighted}"),
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; no healing",
         ],
         figures=figures,

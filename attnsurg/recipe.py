@@ -119,3 +119,22 @@ class CompressLowRank(Strict):
     eval_tokens: int = Field(2048, ge=0)
     overwrite: bool = False
     seed: int = 0
+
+
+class CompressHeadTensor(Strict):
+    """``attnsurg compress MODEL --method tucker|cp``: per-head weights as a decomposed tensor.
+
+    The budget is either ``ratio`` (the fraction of the targeted projections' parameters kept) or
+    ``ranks``: Tucker's (heads, head_dim, hidden) mode ranks, or CP's single rank.
+    """
+
+    model: ModelRef
+    output: Path
+    method: Literal["tucker", "cp"] = "tucker"
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    ratio: float | None = None
+    ranks: tuple[int, ...] | None = None
+    calibration: Calibration = Calibration()
+    eval_tokens: int = Field(2048, ge=0)
+    overwrite: bool = False
+    seed: int = 0

@@ -26,6 +26,11 @@ def info(message: str) -> None:
         console.print(message, highlight=False)
 
 
+def warn(message: str) -> None:
+    """A warning is shown even with --quiet: it says something about the result."""
+    console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
 def status(message: str):
     """A spinner with a message, for steps of unknown length."""
     if _quiet or not console.is_terminal:

@@ -37,8 +37,7 @@ from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
 from attnsurg.methods import MethodSpec, asvd, register, svd, svdllm
-from attnsurg.modeling import auto_map
-from attnsurg.modeling.modeling_attnsurg import CLASSES
+from attnsurg.methods.factorized import assemble_factorized
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 METRICS = {module.NAME: module for module in (svd, asvd, svdllm)}
@@ -103,6 +102,17 @@ class LowRankPlan:
 
     def params_after(self) -> int:
         return sum(u.params(r) for u, r in zip(self.units, self.ranks))
+
+    def flops_before(self) -> int:
+        """Per token in the targeted projections (2 per multiply-add)."""
+        return 2 * self.params_before()
+
+    def flops_after(self) -> int:
+        return 2 * self.params_after()
+
+    def rank_label(self, index: int) -> str:
+        rank = self.ranks[index]
+        return "dense" if rank is None else str(rank)
 
     @property
     def kept_fraction(self) -> float:
@@ -391,45 +401,18 @@ def allocation_floors(units: list[Unit], uniform: list[int | None]) -> list[int]
 # --- assembly ---------------------------------------------------------------------------------------------
 
 
-def attnsurg_config(source: PreTrainedModel, family: Family, surgery: dict):
-    config_class, model_class = CLASSES[family.model_type]
-    fields = source.config.to_dict()
-    for key in ("model_type", "architectures", "auto_map", "transformers_version", "attnsurg"):
-        fields.pop(key, None)
-    config = config_class(**fields, attnsurg=surgery)
-    config.auto_map = auto_map(family.model_type)
-    config.architectures = [model_class.__name__]
-    return config
-
-
 def assemble(source: PreTrainedModel, family: Family, plan: LowRankPlan, factors: dict[Unit, tuple]) -> PreTrainedModel:
     """The attnsurg model class of the family with the source's weights and the factorized units."""
-    config = attnsurg_config(source, family, plan.surgery(family))
-    model = CLASSES[family.model_type][1](config).to(source.dtype)
-    state = source.state_dict()
+    replaced: dict[str, dict[str, torch.Tensor]] = {}
     for unit, (down, up, bias) in factors.items():
         prefix = f"{family.layers_path}.{unit.layer}.{family.attention_attr}."
+        up_state = {"weight": up} if bias is None else {"weight": up, "bias": bias}
         if unit.name == "kv":
-            for name in ("k_proj", "v_proj"):
-                state.pop(prefix + f"{name}.weight")
-                state.pop(prefix + f"{name}.bias", None)
-            names = prefix + "kv_down", prefix + "kv_up"
+            replaced.update({prefix + "k_proj": {}, prefix + "v_proj": {}, prefix + "kv_down": {"weight": down},
+                             prefix + "kv_up": up_state})
         else:
-            linear = prefix + PROJECTIONS[unit.name]
-            state.pop(linear + ".weight")
-            state.pop(linear + ".bias", None)
-            names = linear + ".down", linear + ".up"
-        state[names[0] + ".weight"], state[names[1] + ".weight"] = down, up
-        if bias is not None:
-            state[names[1] + ".bias"] = bias
-    state = {k: v.to(source.dtype) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(f"low-rank assembly mismatch: missing {missing}, unexpected {unexpected}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+            replaced[prefix + PROJECTIONS[unit.name]] = {"down.weight": down, **{f"up.{k}": v for k, v in up_state.items()}}
+    return assemble_factorized(source, family, plan.surgery(family), replaced)
 
 
 @dataclass

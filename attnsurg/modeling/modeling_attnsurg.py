@@ -9,6 +9,8 @@ A checkpoint keeps its family's architecture and records its surgery in ``config
 
 - ``low_rank``: module path -> rank. That ``nn.Linear`` becomes :class:`LowRankLinear` (``down``: in -> r,
   ``up``: r -> out, with the original bias), so the factors, not a dense product, are what is stored.
+- ``head_tensor``: module path -> Tucker or CP spec. That projection's per-head weights are kept as a
+  decomposed heads x head_dim x hidden tensor (:class:`TuckerProjection`, :class:`CPProjection`).
 - ``kv_latent``: layer index -> rank. That layer's k/v projections become one shared down projection to an
   r-dimensional latent and one up projection to [K; V] (:class:`LatentKVAttention`). The cache holds the
   latent, not K and V; keys are rebuilt from it and rotated afterwards (Palu, Chang et al. 2024, sec. 3).
@@ -54,6 +56,74 @@ class LowRankLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}"
+
+
+class HeadTensorProjection(nn.Module):
+    """A projection whose per-head weights form a heads x head_dim x hidden tensor, stored decomposed.
+
+    ``heads_on="output"`` (q/k/v): head h maps the hidden state x to its d outputs with W_h (d x D);
+    ``heads_on="input"`` (o): head h's d inputs map to the hidden state with W_h^T. Factors over the
+    hidden mode and the head-dim mode are shared by all heads (one tensor each).
+    """
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, heads_on: str, bias: bool) -> None:
+        super().__init__()
+        self.hidden_size, self.heads, self.head_dim, self.heads_on = hidden, heads, head_dim, heads_on
+        self.bias = nn.Parameter(torch.zeros(heads * head_dim if heads_on == "output" else hidden)) if bias else None
+
+    def head_mix(self) -> torch.Tensor:
+        """[heads, rank_dim, rank_hidden]: each head's map between the two shared bases."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mix = self.head_mix()
+        if self.heads_on == "output":
+            z = x @ self.factor_hidden  # [..., R_hidden], once per token for all heads
+            y = torch.einsum("...t,hst,ds->...hd", z, mix, self.factor_dim).flatten(-2)
+        else:
+            u = x.unflatten(-1, (self.heads, self.head_dim)) @ self.factor_dim  # [..., H, R_dim]
+            y = torch.einsum("...hs,hst->...t", u, mix) @ self.factor_hidden.T
+        return y if self.bias is None else y + self.bias
+
+
+class TuckerProjection(HeadTensorProjection):
+    """W_h = B (sum_r A[h, r] G[r]) C^T: Tucker factors A (heads x R1), B (head_dim x R2), C (hidden x R3)
+    and core G (R1 x R2 x R3) (Tucker 1966; per-head attention weights as in TensorLLM, Gu et al. 2025)."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, ranks: list[int], heads_on: str, bias: bool) -> None:
+        super().__init__(hidden, heads, head_dim, heads_on, bias)
+        r_heads, r_dim, r_hidden = ranks
+        self.factor_heads = nn.Parameter(torch.zeros(heads, r_heads))
+        self.factor_dim = nn.Parameter(torch.zeros(head_dim, r_dim))
+        self.factor_hidden = nn.Parameter(torch.zeros(hidden, r_hidden))
+        self.core = nn.Parameter(torch.zeros(r_heads, r_dim, r_hidden))
+
+    def head_mix(self) -> torch.Tensor:
+        return torch.einsum("hr,rst->hst", self.factor_heads, self.core)
+
+
+class CPProjection(HeadTensorProjection):
+    """W_h = B diag(A[h]) C^T: rank-R CP factors; C is a projection shared by every head and A[h] its
+    mixing vector, as in collaborative attention (Cordonnier et al. 2020, eq. 5), applied per projection
+    so RoPE still acts on the rebuilt queries and keys."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, rank: int, heads_on: str, bias: bool) -> None:
+        super().__init__(hidden, heads, head_dim, heads_on, bias)
+        self.factor_heads = nn.Parameter(torch.zeros(heads, rank))
+        self.factor_dim = nn.Parameter(torch.zeros(head_dim, rank))
+        self.factor_hidden = nn.Parameter(torch.zeros(hidden, rank))
+
+    def head_mix(self) -> torch.Tensor:
+        return torch.diag_embed(self.factor_heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # diagonal mix: elementwise instead of a dense core
+        if self.heads_on == "output":
+            z = (x @ self.factor_hidden).unsqueeze(-2) * self.factor_heads  # [..., H, R]
+            y = (z @ self.factor_dim.T).flatten(-2)
+        else:
+            u = x.unflatten(-1, (self.heads, self.head_dim)) @ self.factor_dim  # [..., H, R]
+            y = (u * self.factor_heads).sum(-2) @ self.factor_hidden.T
+        return y if self.bias is None else y + self.bias
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +223,21 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
         parent = model.get_submodule(parent_path)
         old = getattr(parent, name)
         setattr(parent, name, LowRankLinear(old.in_features, old.out_features, int(rank), old.bias is not None))
+    for path, spec in (surgery.get("head_tensor") or {}).items():
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        setattr(parent, name, head_tensor_projection(getattr(parent, name), spec))
     link_rotary(model)
+
+
+def head_tensor_projection(old: nn.Module, spec: dict) -> HeadTensorProjection:
+    """The Tucker or CP module that replaces ``old`` (an nn.Linear) as ``spec`` describes."""
+    heads, head_dim, heads_on = int(spec["heads"]), int(spec["head_dim"]), spec["heads_on"]
+    hidden = old.in_features if heads_on == "output" else old.out_features
+    bias = old.bias is not None
+    if spec["kind"] == "tucker":
+        return TuckerProjection(hidden, heads, head_dim, [int(r) for r in spec["ranks"]], heads_on, bias)
+    return CPProjection(hidden, heads, head_dim, int(spec["rank"]), heads_on, bias)
 
 
 def link_rotary(model: nn.Module) -> None:

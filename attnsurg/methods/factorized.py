@@ -1,0 +1,44 @@
+"""Assembling factorized checkpoints: the source family's architecture under attnsurg's model type,
+with some modules replaced as ``config.attnsurg`` records (see :mod:`attnsurg.modeling.modeling_attnsurg`)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from attnsurg.arch.families import Family
+from attnsurg.modeling import auto_map
+from attnsurg.modeling.modeling_attnsurg import CLASSES
+
+
+def attnsurg_config(source: PreTrainedModel, family: Family, surgery: dict):
+    config_class, model_class = CLASSES[family.model_type]
+    fields = source.config.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "attnsurg"):
+        fields.pop(key, None)
+    config = config_class(**fields, attnsurg=surgery)
+    config.auto_map = auto_map(family.model_type)
+    config.architectures = [model_class.__name__]
+    return config
+
+
+def assemble_factorized(
+    source: PreTrainedModel, family: Family, surgery: dict, replaced: dict[str, dict[str, torch.Tensor]]
+) -> PreTrainedModel:
+    """The attnsurg model with the source's weights, where each module path in ``replaced`` loses its old
+    tensors and takes the given ones (names relative to the module)."""
+    config = attnsurg_config(source, family, surgery)
+    model = CLASSES[family.model_type][1](config).to(source.dtype)
+    state = source.state_dict()
+    for path, tensors in replaced.items():
+        for key in [k for k in state if k.startswith(path + ".")]:
+            del state[key]
+        state.update({f"{path}.{name}": tensor for name, tensor in tensors.items()})
+    state = {k: v.to(source.dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"assembly mismatch: missing {missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()

@@ -1,0 +1,267 @@
+"""Tensor-decomposed multi-head projections: ``compress --method tucker|cp``.
+
+Each targeted projection's per-head weights form a tensor T of shape heads x head_dim x hidden (q/k/v:
+T[h] = W_h, the d x D block of head h; o: T[h] = W_o[:, h]^T). The decomposition (Tucker: tucker.py, CP:
+cp.py) runs on the *whitened* tensor, so it fits what the layer computes on calibration data rather than
+the raw weights (as svdllm does for matrices):
+
+- q/k/v: the error of head h's output is ||(W_h - W'_h) S||_F with S S^T = E[x x^T], so T'[h] = T[h] S
+  (exact), and the hidden factor is mapped back with S^-T;
+- o: the input is the concatenated head outputs; a shared d x d whitening S_d (Cholesky of the mean per-head
+  covariance) and a per-head scale s_h keep the factors shared across heads, T'[h] = s_h S_d^T T[h]
+  (cross-head correlations are ignored).
+
+Mapping the factors back leaves every shared factor shared, so the module stores one tensor per mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from attnsurg import ui
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import Family
+from attnsurg.calibrate import InputStatistics
+from attnsurg.errors import UserError
+from attnsurg.linalg import cholesky_whitening
+from attnsurg.methods import MethodSpec, cp, register, tucker
+from attnsurg.methods.factorized import assemble_factorized
+from attnsurg.methods.lowrank import PROJECTIONS, parse_targets, unsupported_reason
+
+DECOMPOSERS = {"tucker": tucker, "cp": cp}
+MAX_ITERATIONS = 50
+
+for _module in DECOMPOSERS.values():
+    register(MethodSpec(_module.NAME, _module.SUMMARY, unsupported_reason))
+
+
+@dataclass(frozen=True)
+class HeadUnit:
+    """One projection of one layer, seen as a heads x head_dim x hidden tensor."""
+
+    layer: int
+    name: str  # q, k, v, o
+    heads: int
+    head_dim: int
+    hidden: int
+
+    @property
+    def heads_on(self) -> str:
+        return "input" if self.name == "o" else "output"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.heads, self.head_dim, self.hidden
+
+    @property
+    def dense_params(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def label(self) -> str:
+        return f"layer {self.layer} {PROJECTIONS[self.name]}"
+
+
+@dataclass
+class HeadTensorPlan:
+    method: str  # tucker | cp
+    targets: tuple[str, ...]
+    units: list[HeadUnit]
+    ranks: list[tuple[int, ...] | None]  # tucker: (heads, head_dim, hidden); cp: (R,); None: dense
+    choose_ranks: bool  # tucker from --ratio: the split between modes is chosen per unit on calibration data
+    budgets: list[int] = field(default_factory=list)  # parameters each unit may keep (ratio mode)
+    kv_values_per_layer: int = 0
+    kv_latent = False
+    weighted = False
+    allocate = False
+
+    def params(self, unit: HeadUnit, ranks: tuple[int, ...] | None) -> int:
+        return unit.dense_params if ranks is None else DECOMPOSERS[self.method].parameters(unit.shape, ranks)
+
+    def flops(self, unit: HeadUnit, ranks: tuple[int, ...] | None) -> int:
+        return 2 * unit.dense_params if ranks is None else DECOMPOSERS[self.method].flops(unit.shape, ranks)
+
+    def params_before(self) -> int:
+        return sum(u.dense_params for u in self.units)
+
+    def params_after(self) -> int:
+        return sum(self.params(u, r) for u, r in zip(self.units, self.ranks))
+
+    def flops_before(self) -> int:
+        return 2 * self.params_before()
+
+    def flops_after(self) -> int:
+        return sum(self.flops(u, r) for u, r in zip(self.units, self.ranks))
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.params_after() / self.params_before()
+
+    def rank_label(self, index: int) -> str:
+        ranks = self.ranks[index]
+        if ranks is None:
+            return "dense"
+        return "auto" if self.choose_ranks and not ranks else "x".join(map(str, ranks))
+
+    def kv_values_after(self) -> int:
+        return self.kv_values_per_layer * len({u.layer for u in self.units})
+
+    def surgery(self, family: Family) -> dict:
+        specs = {}
+        for unit, ranks in zip(self.units, self.ranks):
+            if ranks is None:
+                continue
+            path = f"{family.layers_path}.{unit.layer}.{family.attention_attr}.{PROJECTIONS[unit.name]}"
+            spec = {"kind": self.method, "heads": unit.heads, "head_dim": unit.head_dim, "heads_on": unit.heads_on}
+            spec.update({"ranks": list(ranks)} if self.method == "tucker" else {"rank": ranks[0]})
+            specs[path] = spec
+        return {"format": 1, "method": self.method, "head_tensor": specs}
+
+
+def plan_units(anatomy: AttentionAnatomy, targets: tuple[str, ...]) -> list[HeadUnit]:
+    D, H, G, d = anatomy.hidden_size, anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim
+    heads = {"q": H, "k": G, "v": G, "o": H}
+    return [HeadUnit(layer, t, heads[t], d, D) for layer in range(anatomy.num_layers) for t in targets]
+
+
+def plan_head_tensor(
+    anatomy: AttentionAnatomy,
+    method: str,
+    targets: str | tuple[str, ...],
+    ratio: float | None = None,
+    ranks: tuple[int, ...] | None = None,
+) -> HeadTensorPlan:
+    """Validate a request and give each unit its ranks (Tucker from --ratio: chosen after calibration)."""
+    if method not in DECOMPOSERS:
+        raise UserError(f"unknown tensor method '{method}'; choose from {', '.join(DECOMPOSERS)}")
+    reason = unsupported_reason(anatomy)
+    if reason:
+        raise UserError(f"cannot compress this model: {reason}")
+    targets = parse_targets(targets)
+    flag = "--ranks" if method == "tucker" else "--rank"
+    if (ratio is None) == (ranks is None):
+        raise UserError(f"give the budget as exactly one of --ratio or {flag}")
+    units = plan_units(anatomy, targets)
+    decomposer = DECOMPOSERS[method]
+    plan = HeadTensorPlan(method, targets, units, [], choose_ranks=False, kv_values_per_layer=anatomy.kv_values_per_layer)
+    if ranks is not None:
+        for unit in units:
+            decomposer.check_ranks(unit.shape, tuple(ranks), unit.label)
+        plan.ranks = [tuple(ranks)] * len(units)
+        return plan
+    if not 0 < ratio <= 1:
+        raise UserError(f"--ratio must be in (0, 1], got {ratio}")
+    plan.budgets = [int(ratio * u.dense_params) for u in units]
+    plan.ranks = [decomposer.ranks_for_budget(u.shape, b) for u, b in zip(units, plan.budgets)]
+    for unit, r in zip(units, plan.ranks):
+        if r is not None and min(r) < 1:
+            raise UserError(f"--ratio {ratio} leaves {unit.label} no rank at all; use a larger ratio")
+    plan.choose_ranks = method == "tucker"
+    return plan
+
+
+# --- whitening --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Whitened:
+    """T' and what maps the decomposed factors of T' back to factors of T."""
+
+    tensor: torch.Tensor  # [heads, head_dim, hidden], float64
+    unwhiten_heads: torch.Tensor  # [heads]: divide the head factor's rows by these
+    unwhiten_dim: torch.Tensor | None  # [head_dim, head_dim]: dim factor <- M @ dim factor (o only)
+    unwhiten_hidden: torch.Tensor | None  # [hidden, hidden]: hidden factor <- M @ hidden factor (q/k/v)
+
+
+def head_tensor(unit: HeadUnit, weight: torch.Tensor) -> torch.Tensor:
+    W = weight.detach().double()
+    if unit.heads_on == "output":
+        return W.view(unit.heads, unit.head_dim, unit.hidden)
+    return W.view(unit.hidden, unit.heads, unit.head_dim).permute(1, 2, 0).contiguous()
+
+
+def whiten(unit: HeadUnit, weight: torch.Tensor, stats: InputStatistics) -> Whitened:
+    T = head_tensor(unit, weight)
+    ones = torch.ones(unit.heads, dtype=torch.float64)
+    sigma = stats.sigma[:-1, :-1]
+    if unit.heads_on == "output":
+        S = cholesky_whitening(sigma)
+        return Whitened(T @ S, ones, None, torch.linalg.inv(S).T)
+    d = unit.head_dim
+    blocks = torch.stack([sigma[h * d : (h + 1) * d, h * d : (h + 1) * d] for h in range(unit.heads)])
+    mean = blocks.mean(0)
+    S_d = cholesky_whitening(mean)
+    scale = (blocks.diagonal(dim1=1, dim2=2).sum(-1) / mean.trace().clamp_min(1e-30)).clamp_min(1e-12).sqrt()
+    whitened = scale[:, None, None] * torch.einsum("ij,hjk->hik", S_d.T, T)
+    return Whitened(whitened, scale, torch.linalg.inv(S_d).T, None)
+
+
+# --- fitting ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeadTensorResult:
+    model: PreTrainedModel
+    plan: HeadTensorPlan
+    errors: list[float] = field(default_factory=list)  # per unit: relative error of the whitened tensor
+    unconverged: list[tuple[str, float]] = field(default_factory=list)
+
+
+def module_state(plan: HeadTensorPlan, factors, w: Whitened, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The replacing module's tensors from the factors of T' (heads, dim, hidden[, core])."""
+    heads, dim, hidden, core = factors
+    heads = heads / w.unwhiten_heads[:, None]
+    if w.unwhiten_dim is not None:
+        dim = w.unwhiten_dim @ dim
+    if w.unwhiten_hidden is not None:
+        hidden = w.unwhiten_hidden @ hidden
+    state = {"factor_heads": heads, "factor_dim": dim, "factor_hidden": hidden}
+    if core is not None:
+        state["core"] = core
+    if bias is not None:
+        state["bias"] = bias.detach()
+    return state
+
+
+@torch.no_grad()
+def compress_head_tensor(
+    source: PreTrainedModel,
+    family: Family,
+    stats: list[tuple[InputStatistics, InputStatistics]],
+    plan: HeadTensorPlan,
+    seed: int = 0,
+    progress=None,
+) -> HeadTensorResult:
+    """Decompose every unit of the plan on its whitened tensor and assemble the model."""
+    decomposer = DECOMPOSERS[plan.method]
+    replaced, errors, unconverged = {}, [], []
+    for i, unit in enumerate(plan.units):
+        path = f"{family.layers_path}.{unit.layer}.{family.attention_attr}.{PROJECTIONS[unit.name]}"
+        linear = source.get_submodule(path)
+        x_stats, o_stats = stats[unit.layer]
+        w = whiten(unit, linear.weight, o_stats if unit.name == "o" else x_stats)
+        if plan.choose_ranks:
+            plan.ranks[i] = decomposer.best_ranks_for_budget(w.tensor, plan.budgets[i])
+        if plan.ranks[i] is None:
+            errors.append(0.0)
+        else:
+            fit = decomposer.decompose(w.tensor, plan.ranks[i], MAX_ITERATIONS, decomposer.TOLERANCE, seed)
+            errors.append(fit.relative_error)
+            if not fit.converged:
+                unconverged.append((unit.label, fit.relative_error))
+            replaced[path] = module_state(plan, fit.factors, w, linear.bias)
+        if progress and (i + 1 == len(plan.units) or plan.units[i + 1].layer != unit.layer):
+            progress()
+    if unconverged:
+        worst = max(unconverged, key=lambda item: item[1])
+        ui.warn(
+            f"{len(unconverged)} of {len(errors)} {plan.method} decompositions stopped at the cap of {MAX_ITERATIONS} "
+            f"iterations before tolerance {decomposer.TOLERANCE:g}; kept their last factors (largest relative error "
+            f"{worst[1]:.4f}, {worst[0]})"
+        )
+    model = assemble_factorized(source, family, plan.surgery(family), replaced)
+    return HeadTensorResult(model, plan, errors, unconverged)

@@ -156,11 +156,21 @@ def info_table(record: dict) -> Table:
     return table
 
 
+def headline_rank(value) -> int:
+    """One number per record entry: a rank, the sum of cached k/v ranks, or a tensor's hidden rank."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, list):
+        return sum(value)
+    return value["rank"] if "rank" in value else value["ranks"][-1]
+
+
 def surgery_cell(surgery: dict) -> str:
     """What attnsurg did to a checkpoint it wrote: method and the spread of ranks."""
     lines = [f"{surgery.get('method', '?')}" + (", consumer-weighted" if surgery.get("weighted") else "")]
-    for key, label in (("low_rank", "low-rank projections"), ("kv_latent", "k/v latent layers")):
-        ranks = list((surgery.get(key) or {}).values())
+    for key, label in (("low_rank", "low-rank projections"), ("kv_latent", "k/v latent layers"),
+                       ("head_tensor", "tensor-decomposed projections"), ("factored_kv", "layers caching k/v factors")):
+        ranks = [headline_rank(value) for value in (surgery.get(key) or {}).values()]
         if ranks:
             spread = str(ranks[0]) if min(ranks) == max(ranks) else f"{min(ranks)}-{max(ranks)}"
             lines.append(f"{len(ranks)} {label}, rank {spread}")
@@ -412,7 +422,7 @@ def compress(
     rows = rank_rows(plan)
     flops = projection_flops(plan)
     if json_output:
-        record = {"plan": rows, "kept_fraction": plan.kept_fraction, "params": [plan.params_before(), plan.params_after()],
+        record = {"plan": rank_rows(plan, labels=False), "kept_fraction": plan.kept_fraction, "params": [plan.params_before(), plan.params_after()],
                   "projection_flops_per_token": list(flops), "kv_values_per_token": [report.anatomy.kv_values_per_token, plan.kv_values_after()],
                   "written": report.written, "seconds": report.seconds, "factorize_seconds": report.factorize_seconds,
                   "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after}

@@ -62,12 +62,13 @@ def unit_params(plan: Plan, index: int, after: bool) -> int:
     return unit.params(ranks if after else None)
 
 
-def rank_rows(plan: Plan) -> list[dict]:
-    """Per layer: the rank label of each unit ("dense" when kept dense), with parameters before/after."""
+def rank_rows(plan: Plan, labels: bool = True) -> list[dict]:
+    """Per layer: each unit's rank label ("dense", "255", "9x64x140"), or with ``labels=False`` its raw ranks
+    (None when dense), with parameters before/after."""
     rows: dict[int, dict] = {}
     for i, unit in enumerate(plan.units):
         row = rows.setdefault(unit.layer, {"layer": unit.layer, "params_before": 0, "params_after": 0})
-        row[unit.name] = plan.rank_label(i)
+        row[unit.name] = plan.rank_label(i) if labels else plan.ranks[i]
         row["params_before"] += unit_params(plan, i, after=False)
         row["params_after"] += unit_params(plan, i, after=True)
     return list(rows.values())

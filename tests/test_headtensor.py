@@ -173,4 +173,37 @@ def test_cli_tucker_dry_run_names_the_modes(tiny_checkpoints):
                                       "--ranks", "4,8,32", "--targets", "q", "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     record = json.loads(result.output)
-    assert record["plan"][0]["q"] == "4x8x32" and record["written"] is None
+    assert record["plan"][0]["q"] == [4, 8, 32] and record["written"] is None
+
+
+@pytest.mark.parametrize("method, ranks", [("cp", (8,)), ("tucker", (2, 12, 8))])
+def test_narrow_kv_factors_are_what_the_cache_holds(method, ranks):
+    """k and v with hidden ranks 8 + 8 < 2 x 2 x 16: the cache holds 16 values per token, and decoding
+    with it gives the same tokens as recomputing from scratch."""
+    from transformers import DynamicCache
+
+    from attnsurg.modeling.modeling_attnsurg import FactoredKVAttention
+
+    model = build_tiny("qwen2", VOCAB, num_key_value_heads=2)
+    result = decomposed(model, "qwen2", calibration(model, "qwen2"), method=method, targets="k,v", ranks=ranks)
+    compressed = result.model
+    assert isinstance(compressed.model.layers[0].self_attn, FactoredKVAttention)
+    assert result.plan.kv_values_after() == 2 * 16
+    assert inspect_config(compressed.config).kv_values_per_token == 2 * 16
+    cache = DynamicCache(config=compressed.config)
+    with torch.no_grad():
+        compressed(held_out()[:1, :10], cache=cache, use_cache=True)
+    assert sum(t.shape[-1] for t in (cache.layers[0].keys, cache.layers[0].values)) == 16
+    prompt = held_out()[:1, :8]
+    generated = compressed.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12, eos_token_id=None)
+    with torch.no_grad():
+        tokens = prompt
+        for _ in range(12):
+            tokens = torch.cat([tokens, compressed(tokens, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(generated, tokens)
+
+
+def test_full_rank_tucker_kv_keeps_the_plain_cache():
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    result = decomposed(model, "llama", calibration(model, "llama"), method="tucker", targets="k,v", ranks=(2, 16, 32))
+    assert result.plan.factored_kv() == {}  # 32 + 32 is the full 2 G d: nothing to save

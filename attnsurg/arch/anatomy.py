@@ -133,8 +133,10 @@ def mla_settings(config: PretrainedConfig) -> dict[str, int]:
 
 
 def latent_kv_values(config: PretrainedConfig, num_layers: int, dense_values: int) -> tuple[int, ...]:
-    """Per layer cached values of an attnsurg low-rank checkpoint whose k/v share a cached latent; else ()."""
-    latent = (getattr(config, "attnsurg", None) or {}).get("kv_latent") or {}
+    """Per layer cached values of an attnsurg checkpoint that caches k/v latents or factors; else ()."""
+    surgery = getattr(config, "attnsurg", None) or {}
+    latent = dict(surgery.get("kv_latent") or {})
+    latent.update({layer: sum(ranks) for layer, ranks in (surgery.get("factored_kv") or {}).items()})
     if not latent:
         return ()
     return tuple(int(latent.get(str(i), dense_values)) for i in range(num_layers))

@@ -12,6 +12,8 @@ the raw weights (as svdllm does for matrices):
   (cross-head correlations are ignored).
 
 Mapping the factors back leaves every shared factor shared, so the module stores one tensor per mode.
+Where k and v are both decomposed and their hidden ranks together are below 2 G d, the layer caches those
+hidden-mode coordinates instead of K and V (exactly the same outputs; the KV cache shrinks).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class HeadTensorPlan:
     choose_ranks: bool  # tucker from --ratio: the split between modes is chosen per unit on calibration data
     budgets: list[int] = field(default_factory=list)  # parameters each unit may keep (ratio mode)
     kv_values_per_layer: int = 0
+    cache_factors: bool = True  # cache k/v hidden-mode coordinates where narrower (not with sliding windows)
     kv_latent = False
     weighted = False
     allocate = False
@@ -107,8 +110,28 @@ class HeadTensorPlan:
             return "dense"
         return "auto" if self.choose_ranks and not ranks else "x".join(map(str, ranks))
 
+    def hidden_rank(self, index: int) -> int | None:
+        ranks = self.ranks[index]
+        return None if not ranks else ranks[-1]
+
+    def factored_kv(self) -> dict[int, tuple[int, int]]:
+        """Layers whose k and v are both decomposed with hidden ranks that together undercut 2 G d: the cache
+        holds those coordinates instead of K and V (same outputs, fewer values per token)."""
+        if not self.cache_factors:
+            return {}
+        by_layer: dict[int, dict[str, int | None]] = {}
+        for i, unit in enumerate(self.units):
+            if unit.name in ("k", "v"):
+                by_layer.setdefault(unit.layer, {})[unit.name] = self.hidden_rank(i)
+        return {
+            layer: (r["k"], r["v"]) for layer, r in by_layer.items()
+            if r.get("k") and r.get("v") and r["k"] + r["v"] < self.kv_values_per_layer
+        }
+
     def kv_values_after(self) -> int:
-        return self.kv_values_per_layer * len({u.layer for u in self.units})
+        factored = self.factored_kv()
+        layers = {u.layer for u in self.units}
+        return sum(sum(factored[layer]) if layer in factored else self.kv_values_per_layer for layer in layers)
 
     def surgery(self, family: Family) -> dict:
         specs = {}
@@ -119,7 +142,8 @@ class HeadTensorPlan:
             spec = {"kind": self.method, "heads": unit.heads, "head_dim": unit.head_dim, "heads_on": unit.heads_on}
             spec.update({"ranks": list(ranks)} if self.method == "tucker" else {"rank": ranks[0]})
             specs[path] = spec
-        return {"format": 1, "method": self.method, "head_tensor": specs}
+        factored = {str(layer): list(ranks) for layer, ranks in self.factored_kv().items()}
+        return {"format": 1, "method": self.method, "head_tensor": specs, "factored_kv": factored}
 
 
 def plan_units(anatomy: AttentionAnatomy, targets: tuple[str, ...]) -> list[HeadUnit]:
@@ -147,7 +171,8 @@ def plan_head_tensor(
         raise UserError(f"give the budget as exactly one of --ratio or {flag}")
     units = plan_units(anatomy, targets)
     decomposer = DECOMPOSERS[method]
-    plan = HeadTensorPlan(method, targets, units, [], choose_ranks=False, kv_values_per_layer=anatomy.kv_values_per_layer)
+    plan = HeadTensorPlan(method, targets, units, [], choose_ranks=False, kv_values_per_layer=anatomy.kv_values_per_layer,
+                          cache_factors=not anatomy.sliding_window)
     if ranks is not None:
         for unit in units:
             decomposer.check_ranks(unit.shape, tuple(ranks), unit.label)

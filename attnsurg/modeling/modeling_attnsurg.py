@@ -11,6 +11,8 @@ A checkpoint keeps its family's architecture and records its surgery in ``config
   ``up``: r -> out, with the original bias), so the factors, not a dense product, are what is stored.
 - ``head_tensor``: module path -> Tucker or CP spec. That projection's per-head weights are kept as a
   decomposed heads x head_dim x hidden tensor (:class:`TuckerProjection`, :class:`CPProjection`).
+- ``factored_kv``: layer index -> [k rank, v rank]. Both k and v of that layer are head tensors whose
+  hidden factors are narrower than K and V; the cache holds those coordinates (:class:`FactoredKVAttention`).
 - ``kv_latent``: layer index -> rank. That layer's k/v projections become one shared down projection to an
   r-dimensional latent and one up projection to [K; V] (:class:`LatentKVAttention`). The cache holds the
   latent, not K and V; keys are rebuilt from it and rotated afterwards (Palu, Chang et al. 2024, sec. 3).
@@ -75,14 +77,20 @@ class HeadTensorProjection(nn.Module):
         """[heads, rank_dim, rank_hidden]: each head's map between the two shared bases."""
         raise NotImplementedError
 
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Output heads: the shared hidden-mode coordinates [..., R_hidden], once per token for all heads."""
+        return x @ self.factor_hidden
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Output heads: every head's outputs [..., heads * head_dim] from the shared coordinates."""
+        y = torch.einsum("...t,hst,ds->...hd", z, self.head_mix(), self.factor_dim).flatten(-2)
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mix = self.head_mix()
         if self.heads_on == "output":
-            z = x @ self.factor_hidden  # [..., R_hidden], once per token for all heads
-            y = torch.einsum("...t,hst,ds->...hd", z, mix, self.factor_dim).flatten(-2)
-        else:
-            u = x.unflatten(-1, (self.heads, self.head_dim)) @ self.factor_dim  # [..., H, R_dim]
-            y = torch.einsum("...hs,hst->...t", u, mix) @ self.factor_hidden.T
+            return self.decode(self.encode(x))
+        u = x.unflatten(-1, (self.heads, self.head_dim)) @ self.factor_dim  # [..., H, R_dim]
+        y = torch.einsum("...hs,hst->...t", u, self.head_mix()) @ self.factor_hidden.T
         return y if self.bias is None else y + self.bias
 
 
@@ -116,13 +124,15 @@ class CPProjection(HeadTensorProjection):
     def head_mix(self) -> torch.Tensor:
         return torch.diag_embed(self.factor_heads)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # diagonal mix: elementwise instead of a dense core
+    def decode(self, z: torch.Tensor) -> torch.Tensor:  # diagonal mix: elementwise instead of a dense core
+        y = ((z.unsqueeze(-2) * self.factor_heads) @ self.factor_dim.T).flatten(-2)
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.heads_on == "output":
-            z = (x @ self.factor_hidden).unsqueeze(-2) * self.factor_heads  # [..., H, R]
-            y = (z @ self.factor_dim.T).flatten(-2)
-        else:
-            u = x.unflatten(-1, (self.heads, self.head_dim)) @ self.factor_dim  # [..., H, R]
-            y = (u * self.factor_heads).sum(-2) @ self.factor_hidden.T
+            return self.decode(self.encode(x))
+        u = x.unflatten(-1, (self.heads, self.head_dim)) @ self.factor_dim  # [..., H, R]
+        y = (u * self.factor_heads).sum(-2) @ self.factor_hidden.T
         return y if self.bias is None else y + self.bias
 
 
@@ -173,6 +183,13 @@ class LatentKVAttention(nn.Module):
         first, second = cache.update(latent[..., :half].unsqueeze(1), latent[..., half:].unsqueeze(1), self.layer_idx)
         return torch.cat([first, second], dim=-1).squeeze(1)
 
+    def keys_and_values(self, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ([batch, G, all cached tokens, d], before RoPE) rebuilt from the cached latent."""
+        latent = self.cached_latent(self.kv_down(hidden_states), cache)
+        batch, total = latent.shape[:2]
+        kv = self.kv_up(latent).view(batch, total, 2, self.num_key_value_heads, self.head_dim)
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -183,12 +200,9 @@ class LatentKVAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
-        G, d = self.num_key_value_heads, self.head_dim
-        query = self.q_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)
-        latent = self.cached_latent(self.kv_down(hidden_states), cache if cache is not None else past_key_values)
-        total = latent.shape[1]
-        kv = self.kv_up(latent).view(batch, total, 2, G, d)
-        key, value = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        key, value = self.keys_and_values(hidden_states, cache if cache is not None else past_key_values)
+        total = key.shape[2]
 
         positions = torch.arange(total, device=hidden_states.device).unsqueeze(0)
         cos, sin = self.rotary(value, positions)
@@ -209,6 +223,35 @@ class LatentKVAttention(nn.Module):
         return self.o_proj(output.reshape(batch, length, -1).contiguous()), weights
 
 
+class FactoredKVAttention(LatentKVAttention):
+    """Attention whose k and v projections are head tensors (Tucker or CP) with a shared hidden factor: the
+    cache holds each one's hidden-mode coordinates (key slot: k's, value slot: v's), narrower than K and V,
+    and every step decodes K and V from them, then rotates the keys."""
+
+    def __init__(self, config, layer_idx: int, q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module, o_proj: nn.Module):
+        nn.Module.__init__(self)
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.rotary = None
+
+    def keys_and_values(self, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        zk, zv = self.k_proj.encode(hidden_states).unsqueeze(1), self.v_proj.encode(hidden_states).unsqueeze(1)
+        if cache is not None:
+            zk, zv = cache.update(zk, zv, self.layer_idx)
+        batch, total = zk.shape[0], zk.shape[2]
+        G, d = self.num_key_value_heads, self.head_dim
+        key = self.k_proj.decode(zk.squeeze(1)).view(batch, total, G, d).transpose(1, 2)
+        value = self.v_proj.decode(zv.squeeze(1)).view(batch, total, G, d).transpose(1, 2)
+        return key, value
+
+
 def apply_surgery(model: nn.Module, surgery: dict) -> None:
     """Replace the modules that ``surgery`` (``config.attnsurg``) names with their factorized forms."""
     layers = model.model.layers
@@ -227,6 +270,10 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         setattr(parent, name, head_tensor_projection(getattr(parent, name), spec))
+    for index in surgery.get("factored_kv") or {}:
+        layer = layers[int(index)]
+        old = layer.self_attn
+        layer.self_attn = FactoredKVAttention(model.config, int(index), old.q_proj, old.k_proj, old.v_proj, old.o_proj)
     link_rotary(model)
 
 
@@ -244,7 +291,7 @@ def link_rotary(model: nn.Module) -> None:
     """Give each latent attention the model's rotary embedding without registering it twice."""
     for layer in model.model.layers:
         if isinstance(layer.self_attn, LatentKVAttention):
-            object.__setattr__(layer.self_attn, "rotary", model.model.rotary_emb)
+            object.__setattr__(layer.self_attn, "rotary", model.model.rotary_emb)  # also FactoredKVAttention
 
 
 class AttnsurgLlamaConfig(LlamaConfig):

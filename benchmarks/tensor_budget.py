@@ -1,0 +1,89 @@
+"""Tucker and CP against SVD-LLM on the demo model at equal attention parameters, in one run.
+
+    python benchmarks/tensor_budget.py [--ratios 0.75 0.5 0.35] [--windows 4] [--calib-tokens 4096]
+
+Calibrates once on the calibration half of wiki-sample (statistics shared by every row), evaluates on the
+first WINDOWS x 1024 tokens of its evaluation half (disjoint windows, fp32), q,k,v,o targeted, no
+healing. Rows per ratio: svdllm (plain whitening), svdllm (consumer-weighted, the default), tucker, cp;
+each with ppl ratio to the original, parameters and FLOPs per token in the projections, KV bytes per
+token (bf16, from a transformers cache) and decomposition seconds (calibration excluded, reported once).
+Writes benchmarks/results/tensor_budget.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_layers, calibration_windows, input_statistics
+from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.io.load import load_model, load_tokenizer, resolve_source
+from attnsurg.methods.headtensor import compress_head_tensor, plan_head_tensor
+from attnsurg.methods.lowrank import compress, plan_lowrank
+from attnsurg.recipe import TextData
+from lowrank_budget import cache_bytes_per_token
+
+TARGETS = "q,k,v,o"
+
+
+def variants(anatomy, ratio: float):
+    yield "svdllm (plain whitening)", plan_lowrank(anatomy, "svdllm", TARGETS, ratio=ratio, weighted=False)
+    yield "svdllm (consumer-weighted)", plan_lowrank(anatomy, "svdllm", TARGETS, ratio=ratio, weighted=True)
+    yield "tucker", plan_head_tensor(anatomy, "tucker", TARGETS, ratio=ratio)
+    yield "cp", plan_head_tensor(anatomy, "cp", TARGETS, ratio=ratio)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.75, 0.5, 0.35])
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--calib-tokens", type=int, default=4096)
+    args = parser.parse_args()
+
+    source = resolve_source(args.model)
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    anatomy = inspect_config(model.config)
+    family = family_for_surgery(anatomy.model_type)
+    tokens, plan_windows = eval_windows(tokenizer, TextData(dataset="wiki-sample", part="eval"), 1024, args.windows * 1024)
+    original = perplexity_of(model, tokens, plan_windows)
+    start = time.perf_counter()
+    windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
+    attns = attention_layers(model, family)
+    flat = input_statistics(model, attns + [a.o_proj for a in attns], windows)
+    stats = list(zip(flat[: len(attns)], flat[len(attns) :]))
+    calibration_s = time.perf_counter() - start
+    rows = []
+    for ratio in args.ratios:
+        for label, plan in variants(anatomy, ratio):
+            start = time.perf_counter()
+            if label.startswith("svdllm"):
+                result = compress(model, family, stats, plan, windows.shape[1])
+            else:
+                result = compress_head_tensor(model, family, stats, plan)
+            seconds = time.perf_counter() - start
+            ppl = perplexity_of(result.model, tokens, plan_windows)
+            plan = result.plan
+            rows.append({"ratio": ratio, "variant": label, "kept": plan.kept_fraction, "ppl": ppl, "ppl_ratio": ppl / original,
+                         "params": plan.params_after(), "flops_per_token": plan.flops_after(),
+                         "kv_bytes_per_token": cache_bytes_per_token(result.model), "decompose_s": seconds})
+            print(f"{ratio} {label}: x{ppl / original:.3f} in {seconds:.1f} s", flush=True)
+    print(f"\noriginal ppl {original:.3f}; projection params {plan.params_before():,}, FLOPs/token {plan.flops_before():,}; "
+          f"calibration {calibration_s:.1f} s (shared)\n")
+    print("| kept (target) | variant | kept | ppl | ratio | projection params | FLOPs/token | KV B/token (bf16) | decompose s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['ratio']} | {r['variant']} | {r['kept']:.3f} | {r['ppl']:.3f} | {r['ppl_ratio']:.3f} | {r['params']:,} | "
+              f"{r['flops_per_token']:,} | {r['kv_bytes_per_token']:,.0f} | {r['decompose_s']:.1f} |")
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
+    (results / "tensor_budget.json").write_text(json.dumps({"original_ppl": original, "calibration_s": calibration_s,
+                                                            "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

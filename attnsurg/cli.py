@@ -371,7 +371,7 @@ def compress(
     ] = False,
     weighted: Annotated[
         Optional[bool],
-        typer.Option("--weighted/--unweighted", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm."),
+        typer.Option("--weighted/--unweighted", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm, tucker, cp."),
     ] = None,
     calib_dataset: Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")] = "wiki-sample",
     calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")] = None,
@@ -406,13 +406,13 @@ def compress(
         seed=seed,
     )
     if method in TENSOR_METHODS:
-        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--weighted/--unweighted": weighted is not None})
+        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate})
         if method == "tucker" and rank is not None:
             raise UserError("tucker takes one rank per mode: --ranks heads,head_dim,hidden (e.g. --ranks 9,48,160)")
         if method == "cp" and ranks is not None:
             raise UserError("cp takes a single rank: --rank R")
         mode_ranks = parse_ranks(ranks) if ranks is not None else (rank,) if rank is not None else None
-        request = CompressHeadTensor(**common, ranks=mode_ranks)
+        request = CompressHeadTensor(**common, ranks=mode_ranks, weighted=True if weighted is None else weighted)
     else:
         if ranks is not None:
             raise UserError(f"--ranks is for tucker; {method} takes one rank: --rank R")

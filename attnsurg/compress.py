@@ -77,7 +77,7 @@ def rank_rows(plan: Plan, labels: bool = True) -> list[dict]:
 def plan_request(request: Request):
     source, _, anatomy = inspect_model(request.model)
     if isinstance(request, CompressHeadTensor):
-        plan = plan_head_tensor(anatomy, request.method, request.targets, request.ratio, request.ranks)
+        plan = plan_head_tensor(anatomy, request.method, request.targets, request.ratio, request.ranks, request.weighted)
     else:
         plan = plan_lowrank(
             anatomy, request.method, request.targets, request.ratio, request.rank,
@@ -103,7 +103,7 @@ def run_compress(request: Request, dry_run: bool = False) -> CompressReport:
     layer_stats = list(zip(stats[: len(attentions)], stats[len(attentions) :]))
     with ui.progress_bar(f"Factorizing ({plan.method})", total=anatomy.num_layers, unit="layers") as advance:
         if isinstance(plan, HeadTensorPlan):
-            result = compress_head_tensor(model, family, layer_stats, plan, request.seed, progress=advance)
+            result = compress_head_tensor(model, family, layer_stats, plan, request.seed, windows.shape[1], progress=advance)
         else:
             result = compress(model, family, layer_stats, plan, windows.shape[1], progress=advance)
     report.factorize_seconds = time.perf_counter() - started
@@ -186,7 +186,7 @@ def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
         details=[
             budget_details(request, plan),
             f"targets: {', '.join(PROJECTIONS[t] for t in plan.targets)}"
-            + ("; fitted to the whitened calibration inputs" if tensor else f"; consumer-weighted: {plan.weighted}"),
+            + ("; fitted to the whitened calibration inputs" if tensor else "") + f"; consumer-weighted: {plan.weighted}",
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; no healing",
         ],
         figures=figures,

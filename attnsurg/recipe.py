@@ -134,6 +134,7 @@ class CompressHeadTensor(Strict):
     targets: tuple[str, ...] = ("q", "k", "v", "o")
     ratio: float | None = None
     ranks: tuple[int, ...] | None = None
+    weighted: bool = True
     calibration: Calibration = Calibration()
     eval_tokens: int = Field(2048, ge=0)
     overwrite: bool = False

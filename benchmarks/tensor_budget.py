@@ -4,7 +4,8 @@
 
 Calibrates once on the calibration half of wiki-sample (statistics shared by every row), evaluates on the
 first WINDOWS x 1024 tokens of its evaluation half (disjoint windows, fp32), q,k,v,o targeted, no
-healing. Rows per ratio: svdllm (plain whitening), svdllm (consumer-weighted, the default), tucker, cp;
+healing. Rows per ratio: svdllm (plain whitening), svdllm, tucker and cp (consumer-weighted, the
+defaults; ``--plain-tensor`` adds tucker and cp with whitened inputs only);
 each with ppl ratio to the original, parameters and FLOPs per token in the projections, KV bytes per
 token (bf16, from a transformers cache) and decomposition seconds (calibration excluded, reported once).
 Writes benchmarks/results/tensor_budget.json.
@@ -30,11 +31,14 @@ from lowrank_budget import cache_bytes_per_token
 TARGETS = "q,k,v,o"
 
 
-def variants(anatomy, ratio: float):
-    yield "svdllm (plain whitening)", plan_lowrank(anatomy, "svdllm", TARGETS, ratio=ratio, weighted=False)
-    yield "svdllm (consumer-weighted)", plan_lowrank(anatomy, "svdllm", TARGETS, ratio=ratio, weighted=True)
-    yield "tucker", plan_head_tensor(anatomy, "tucker", TARGETS, ratio=ratio)
-    yield "cp", plan_head_tensor(anatomy, "cp", TARGETS, ratio=ratio)
+def variants(anatomy, ratio: float, plain_tensor: bool):
+    for weighted in (False, True):
+        name = "consumer-weighted" if weighted else "plain whitening"
+        yield f"svdllm ({name})", plan_lowrank(anatomy, "svdllm", TARGETS, ratio=ratio, weighted=weighted)
+    for method in ("tucker", "cp"):
+        for weighted in (False, True) if plain_tensor else (True,):
+            name = "consumer-weighted" if weighted else "whitened inputs only"
+            yield f"{method} ({name})", plan_head_tensor(anatomy, method, TARGETS, ratio=ratio, weighted=weighted)
 
 
 def main() -> None:
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.75, 0.5, 0.35])
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calib-tokens", type=int, default=4096)
+    parser.add_argument("--plain-tensor", action="store_true", help="Also tucker and cp without consumer weights.")
     args = parser.parse_args()
 
     source = resolve_source(args.model)
@@ -59,12 +64,12 @@ def main() -> None:
     calibration_s = time.perf_counter() - start
     rows = []
     for ratio in args.ratios:
-        for label, plan in variants(anatomy, ratio):
+        for label, plan in variants(anatomy, ratio, args.plain_tensor):
             start = time.perf_counter()
             if label.startswith("svdllm"):
                 result = compress(model, family, stats, plan, windows.shape[1])
             else:
-                result = compress_head_tensor(model, family, stats, plan)
+                result = compress_head_tensor(model, family, stats, plan, seq_len=windows.shape[1])
             seconds = time.perf_counter() - start
             ppl = perplexity_of(result.model, tokens, plan_windows)
             plan = result.plan

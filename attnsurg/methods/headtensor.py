@@ -9,7 +9,9 @@ the raw weights (as svdllm does for matrices):
   (exact), and the hidden factor is mapped back with S^-T;
 - o: the input is the concatenated head outputs; a shared d x d whitening S_d (Cholesky of the mean per-head
   covariance) and a per-head scale s_h keep the factors shared across heads, T'[h] = s_h S_d^T T[h]
-  (cross-head correlations are ignored).
+  (cross-head correlations are ignored);
+- consumer weights (default; as in lowrank.py: rotation-averaged key/query moments, W_o^T W_o) weight the
+  q/k/v head outputs in the same shared form, T'[h] = s_h L^T T[h] S.
 
 Mapping the factors back leaves every shared factor shared, so the module stores one tensor per mode.
 Where k and v are both decomposed and their hidden ranks together are below 2 G d, the layer caches those
@@ -32,7 +34,7 @@ from attnsurg.errors import UserError
 from attnsurg.linalg import cholesky_whitening
 from attnsurg.methods import MethodSpec, cp, register, tucker
 from attnsurg.methods.factorized import assemble_factorized
-from attnsurg.methods.lowrank import PROJECTIONS, parse_targets, unsupported_reason
+from attnsurg.methods.lowrank import PROJECTIONS, LayerContext, layer_contexts, parse_targets, unsupported_reason
 
 DECOMPOSERS = {"tucker": tucker, "cp": cp}
 MAX_ITERATIONS = 50
@@ -78,8 +80,8 @@ class HeadTensorPlan:
     budgets: list[int] = field(default_factory=list)  # parameters each unit may keep (ratio mode)
     kv_values_per_layer: int = 0
     cache_factors: bool = True  # cache k/v hidden-mode coordinates where narrower (not with sliding windows)
+    weighted: bool = True  # consumer weights (shared across heads) on q/k/v outputs
     kv_latent = False
-    weighted = False
     allocate = False
 
     def params(self, unit: HeadUnit, ranks: tuple[int, ...] | None) -> int:
@@ -158,6 +160,7 @@ def plan_head_tensor(
     targets: str | tuple[str, ...],
     ratio: float | None = None,
     ranks: tuple[int, ...] | None = None,
+    weighted: bool = True,
 ) -> HeadTensorPlan:
     """Validate a request and give each unit its ranks (Tucker from --ratio: chosen after calibration)."""
     if method not in DECOMPOSERS:
@@ -172,7 +175,7 @@ def plan_head_tensor(
     units = plan_units(anatomy, targets)
     decomposer = DECOMPOSERS[method]
     plan = HeadTensorPlan(method, targets, units, [], choose_ranks=False, kv_values_per_layer=anatomy.kv_values_per_layer,
-                          cache_factors=not anatomy.sliding_window)
+                          cache_factors=not anatomy.sliding_window, weighted=weighted)
     if ranks is not None:
         for unit in units:
             decomposer.check_ranks(unit.shape, tuple(ranks), unit.label)
@@ -209,20 +212,38 @@ def head_tensor(unit: HeadUnit, weight: torch.Tensor) -> torch.Tensor:
     return W.view(unit.hidden, unit.heads, unit.head_dim).permute(1, 2, 0).contiguous()
 
 
-def whiten(unit: HeadUnit, weight: torch.Tensor, stats: InputStatistics) -> Whitened:
+def shared_metric(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For per-head d x d metrics M_h: the closest metric that keeps a head-dim factor shared across heads,
+    one factor L with L L^T = mean_h M_h and per-head scales s_h = sqrt(tr M_h / tr mean_h M_h)."""
+    mean = blocks.mean(0)
+    scale = (blocks.diagonal(dim1=1, dim2=2).sum(-1) / mean.trace().clamp_min(1e-30)).clamp_min(1e-12).sqrt()
+    return cholesky_whitening(mean), scale
+
+
+def diagonal_blocks(M: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    return torch.stack([M[h * d : (h + 1) * d, h * d : (h + 1) * d] for h in range(heads)])
+
+
+def whiten(unit: HeadUnit, weight: torch.Tensor, stats: InputStatistics, consumer: torch.Tensor | None = None) -> Whitened:
+    """T' with the input metric (and, for q/k/v, the shared form of the consumer weight ``consumer``,
+    per-head d x d blocks) applied, and the maps that undo it on the factors."""
     T = head_tensor(unit, weight)
-    ones = torch.ones(unit.heads, dtype=torch.float64)
     sigma = stats.sigma[:-1, :-1]
     if unit.heads_on == "output":
         S = cholesky_whitening(sigma)
-        return Whitened(T @ S, ones, None, torch.linalg.inv(S).T)
-    d = unit.head_dim
-    blocks = torch.stack([sigma[h * d : (h + 1) * d, h * d : (h + 1) * d] for h in range(unit.heads)])
-    mean = blocks.mean(0)
-    S_d = cholesky_whitening(mean)
-    scale = (blocks.diagonal(dim1=1, dim2=2).sum(-1) / mean.trace().clamp_min(1e-30)).clamp_min(1e-12).sqrt()
-    whitened = scale[:, None, None] * torch.einsum("ij,hjk->hik", S_d.T, T)
-    return Whitened(whitened, scale, torch.linalg.inv(S_d).T, None)
+        T, unwhiten_hidden = T @ S, torch.linalg.inv(S).T
+        if consumer is None:
+            return Whitened(T, torch.ones(unit.heads, dtype=torch.float64), None, unwhiten_hidden)
+        L, scale = shared_metric(consumer)
+        return Whitened(scale[:, None, None] * torch.einsum("ij,hjk->hik", L.T, T), scale, torch.linalg.inv(L).T, unwhiten_hidden)
+    L, scale = shared_metric(diagonal_blocks(sigma, unit.heads, unit.head_dim))
+    return Whitened(scale[:, None, None] * torch.einsum("ij,hjk->hik", L.T, T), scale, torch.linalg.inv(L).T, None)
+
+
+def consumer_blocks(unit: HeadUnit, ctx: LayerContext) -> torch.Tensor | None:
+    """Per-head d x d blocks of what consumes a q/k/v head's output (see lowrank.py); None for o."""
+    weight = {"q": ctx.query_weight, "k": ctx.key_weight, "v": ctx.value_weight}.get(unit.name)
+    return None if weight is None else diagonal_blocks(weight(), unit.heads, unit.head_dim)
 
 
 # --- fitting ----------------------------------------------------------------------------------------------
@@ -252,6 +273,36 @@ def module_state(plan: HeadTensorPlan, factors, w: Whitened, bias: torch.Tensor 
     return state
 
 
+def head_maps(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """K [heads * head_dim, R_hidden]: row block h is B (A[h] x_1 G), what head h applies to the hidden
+    coordinates (Tucker), or B diag(A[h]) (CP)."""
+    heads, dim = state["factor_heads"], state["factor_dim"]
+    mix = torch.einsum("hr,rst->hst", heads, state["core"]) if "core" in state else torch.diag_embed(heads)
+    return torch.einsum("ds,hst->hdt", dim, mix).flatten(0, 1)
+
+
+def refit_hidden_factor(unit: HeadUnit, state: dict, weight: torch.Tensor, x: InputStatistics, consumer) -> None:
+    """Given the head factors, the hidden factor has a closed-form optimum under the *exact* metric, which the
+    shared-across-heads metric of the decomposition only approximates (weighted least squares, float64):
+
+    - q/k/v, W ~ K C^T: C^T = (K^T Omega K)^-1 K^T Omega W with Omega the per-head consumer blocks (or I);
+      the input metric cancels since C^T is free in every input direction;
+    - o, W_o ~ C K^T: C = W_o Sigma K (K^T Sigma K)^-1 with the full input covariance Sigma, cross-head
+      correlations included."""
+    K = head_maps(state)
+    W = weight.detach().double()
+    eye = torch.eye(K.shape[1], dtype=torch.float64)
+    if unit.heads_on == "output":
+        omega = torch.eye(K.shape[0], dtype=torch.float64) if consumer is None else torch.block_diag(*consumer)
+        gram = K.T @ omega @ K
+        hidden_t = torch.linalg.solve(gram + eye * gram.diagonal().mean() * 1e-10, K.T @ omega @ W)
+        state["factor_hidden"] = hidden_t.T.contiguous()
+    else:
+        sigma = x.sigma[:-1, :-1]
+        gram = K.T @ sigma @ K
+        state["factor_hidden"] = torch.linalg.solve(gram + eye * gram.diagonal().mean() * 1e-10, (W @ sigma @ K).T).T.contiguous()
+
+
 @torch.no_grad()
 def compress_head_tensor(
     source: PreTrainedModel,
@@ -259,16 +310,19 @@ def compress_head_tensor(
     stats: list[tuple[InputStatistics, InputStatistics]],
     plan: HeadTensorPlan,
     seed: int = 0,
+    seq_len: int = 512,
     progress=None,
 ) -> HeadTensorResult:
     """Decompose every unit of the plan on its whitened tensor and assemble the model."""
     decomposer = DECOMPOSERS[plan.method]
+    contexts = layer_contexts(source, family, stats, seq_len)
     replaced, errors, unconverged = {}, [], []
     for i, unit in enumerate(plan.units):
         path = f"{family.layers_path}.{unit.layer}.{family.attention_attr}.{PROJECTIONS[unit.name]}"
         linear = source.get_submodule(path)
         x_stats, o_stats = stats[unit.layer]
-        w = whiten(unit, linear.weight, o_stats if unit.name == "o" else x_stats)
+        consumer = consumer_blocks(unit, contexts[unit.layer]) if plan.weighted else None
+        w = whiten(unit, linear.weight, o_stats if unit.name == "o" else x_stats, consumer)
         if plan.choose_ranks:
             plan.ranks[i] = decomposer.best_ranks_for_budget(w.tensor, plan.budgets[i])
         if plan.ranks[i] is None:
@@ -278,7 +332,9 @@ def compress_head_tensor(
             errors.append(fit.relative_error)
             if not fit.converged:
                 unconverged.append((unit.label, fit.relative_error))
-            replaced[path] = module_state(plan, fit.factors, w, linear.bias)
+            state = module_state(plan, fit.factors, w, linear.bias)
+            refit_hidden_factor(unit, state, linear.weight, o_stats if unit.name == "o" else x_stats, consumer)
+            replaced[path] = state
         if progress and (i + 1 == len(plan.units) or plan.units[i + 1].layer != unit.layer):
             progress()
     if unconverged:

@@ -207,3 +207,33 @@ def test_full_rank_tucker_kv_keeps_the_plain_cache():
     model = build_tiny("llama", VOCAB, num_key_value_heads=2)
     result = decomposed(model, "llama", calibration(model, "llama"), method="tucker", targets="k,v", ranks=(2, 16, 32))
     assert result.plan.factored_kv() == {}  # 32 + 32 is the full 2 G d: nothing to save
+
+
+@pytest.mark.parametrize("name", ["k", "o"])
+@torch.no_grad()
+def test_hidden_factor_refit_lowers_the_exact_objective(name):
+    """The closed-form refit is the weighted least-squares optimum for the hidden factor, so the exact
+    objective (per-head consumer weights for k, the full input covariance for o) can only fall."""
+    from attnsurg.methods.lowrank import layer_contexts
+
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    stats = calibration(model, "llama")
+    plan = plan_head_tensor(inspect_config(model.config), "cp", name, ranks=(6,))
+    unit, attn = plan.units[0], model.model.layers[0].self_attn
+    weight = getattr(attn, f"{name}_proj").weight
+    x = stats[0][1] if name == "o" else stats[0][0]
+    consumer = headtensor.consumer_blocks(unit, layer_contexts(model, family_for_surgery("llama"), stats, 64)[0])
+    w = headtensor.whiten(unit, weight, x, consumer)
+    state = headtensor.module_state(plan, cp.decompose(w.tensor, (6,), 50, 1e-5, 0).factors, w, None)
+
+    def objective() -> float:
+        K, C = headtensor.head_maps(state), state["factor_hidden"]
+        if name == "o":
+            delta = weight.detach().double() - C @ K.T
+            return float(torch.trace(delta @ x.sigma[:-1, :-1] @ delta.T))
+        delta = weight.detach().double() - K @ C.T
+        return float(torch.trace(torch.block_diag(*consumer) @ delta @ x.sigma[:-1, :-1] @ delta.T))
+
+    before = objective()
+    headtensor.refit_hidden_factor(unit, state, weight, x, consumer)
+    assert objective() < before

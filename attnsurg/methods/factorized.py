@@ -23,10 +23,14 @@ def attnsurg_config(source: PreTrainedModel, family: Family, surgery: dict):
 
 
 def assemble_factorized(
-    source: PreTrainedModel, family: Family, surgery: dict, replaced: dict[str, dict[str, torch.Tensor]]
+    source: PreTrainedModel,
+    family: Family,
+    surgery: dict,
+    replaced: dict[str, dict[str, torch.Tensor]],
+    added: dict[str, torch.Tensor] | None = None,
 ) -> PreTrainedModel:
     """The attnsurg model with the source's weights, where each module path in ``replaced`` loses its old
-    tensors and takes the given ones (names relative to the module)."""
+    tensors and takes the given ones (names relative to the module), plus ``added`` tensors (full names)."""
     config = attnsurg_config(source, family, surgery)
     model = CLASSES[family.model_type][1](config).to(source.dtype)
     state = source.state_dict()
@@ -34,6 +38,7 @@ def assemble_factorized(
         for key in [k for k in state if k.startswith(path + ".")]:
             del state[key]
         state.update({f"{path}.{name}": tensor for name, tensor in tensors.items()})
+    state.update(added or {})
     state = {k: v.to(source.dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]

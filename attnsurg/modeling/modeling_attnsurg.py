@@ -13,7 +13,9 @@ A checkpoint keeps its family's architecture and records its surgery in ``config
   decomposed heads x head_dim x hidden tensor (:class:`TuckerProjection`, :class:`CPProjection`).
 - ``factored_kv``: layer index -> [k rank, v rank]. Both k and v of that layer are head tensors whose
   hidden factors are narrower than K and V; the cache holds those coordinates (:class:`FactoredKVAttention`).
-- ``kv_latent``: layer index -> rank. That layer's k/v projections become one shared down projection to an
+- ``kv_latent``: layer index -> rank.
+- ``loki``: {"rank": r, "top_k": count or fraction}: every layer scores keys with r PCA coordinates and
+  attends over its top-k (:class:`LokiAttention`). That layer's k/v projections become one shared down projection to an
   r-dimensional latent and one up projection to [K; V] (:class:`LatentKVAttention`). The cache holds the
   latent, not K and V; keys are rebuilt from it and rotated afterwards (Palu, Chang et al. 2024, sec. 3).
 """
@@ -252,6 +254,87 @@ class FactoredKVAttention(LatentKVAttention):
         return key, value
 
 
+def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+class LokiAttention(nn.Module):
+    """Top-k attention with keys scored in a PCA basis (Loki, Singhania et al. 2024, alg. 1).
+
+    Per KV head g an orthonormal basis P_g (principal directions of the post-RoPE keys, strongest first):
+    queries and keys are rotated into it after RoPE, so q P . k P = q . k and the cache holds keys already
+    rotated. Each query scores every key with the first ``rank`` coordinates only, keeps the ``top_k`` best
+    (a count, or a fraction of its context; the current token always), and attends exactly over those.
+    """
+
+    def __init__(self, config, layer_idx: int, q_proj, k_proj, v_proj, o_proj, rank: int, top_k: float):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.loki_basis = nn.Parameter(torch.zeros(self.num_key_value_heads, self.head_dim, self.head_dim))
+        self.rank, self.top_k = rank, top_k
+
+    def keep_counts(self, context: torch.Tensor) -> torch.Tensor:
+        """How many keys each query keeps, given how many it may see."""
+        if self.top_k < 1 or isinstance(self.top_k, float):
+            keep = torch.ceil(context.double() * self.top_k).long()
+        else:
+            keep = torch.full_like(context, int(self.top_k))
+        return torch.minimum(keep.clamp_min(1), context)
+
+    def selection(self, query: torch.Tensor, key: torch.Tensor, total: int) -> torch.Tensor:
+        """[B, H, T, S] bool: the keys each query attends to (causal, top-k by the rank-r scores)."""
+        length = query.shape[2]
+        positions = torch.arange(total - length, total, device=query.device)
+        allowed = torch.arange(total, device=query.device)[None, :] <= positions[:, None]  # [T, S]
+        keep = self.keep_counts(positions + 1)
+        if bool((keep == positions + 1).all()):
+            return allowed.expand(query.shape[0], query.shape[1], -1, -1)
+        approx = query[..., : self.rank] @ key[..., : self.rank].transpose(-1, -2)
+        approx = approx.masked_fill(~allowed, float("-inf"))
+        current = torch.arange(length, device=query.device)
+        approx[..., current, positions] = float("inf")  # the current token is always kept
+        order = approx.argsort(dim=-1, descending=True)
+        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(total, device=query.device).expand_as(order))
+        return (ranks < keep[:, None]) & allowed
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        past_key_values=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        cache = cache if cache is not None else past_key_values
+        batch, length, _ = hidden_states.shape
+        d, groups = self.head_dim, self.num_key_value_groups
+        query = self.q_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        query = torch.einsum("bhtd,hde->bhte", query, repeat_heads(self.loki_basis.unsqueeze(0), groups)[0])
+        key = torch.einsum("bgtd,gde->bgte", key, self.loki_basis)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        key, value = repeat_heads(key, groups), repeat_heads(value, groups)
+        selected = self.selection(query, key, key.shape[2])
+        scores = (query @ key.transpose(-1, -2)) * self.scaling
+        scores = scores.masked_fill(~selected, float("-inf"))
+        if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.shape[-1] == key.shape[2]:
+            scores = scores + attention_mask  # padding
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        output = (weights @ value).transpose(1, 2).reshape(batch, length, -1)
+        return self.o_proj(output), None
+
+
 def apply_surgery(model: nn.Module, surgery: dict) -> None:
     """Replace the modules that ``surgery`` (``config.attnsurg``) names with their factorized forms."""
     layers = model.model.layers
@@ -270,6 +353,12 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         setattr(parent, name, head_tensor_projection(getattr(parent, name), spec))
+    loki = surgery.get("loki")
+    if loki:
+        for index, layer in enumerate(layers):
+            old = layer.self_attn
+            layer.self_attn = LokiAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
+                                            int(loki["rank"]), loki["top_k"])
     for index in surgery.get("factored_kv") or {}:
         layer = layers[int(index)]
         old = layer.self_attn

@@ -1,0 +1,99 @@
+"""Loki: PCA-scored top-k attention (Singhania et al. 2024, "Loki: Low-rank Keys for Efficient Sparse
+Attention", sec. 3-4). ``compress --method loki --rank R --top-k K``.
+
+Per layer and KV head, the keys' principal directions come from calibration statistics: the pre-RoPE key
+second moment is K = [W_k b_k] E[x~ x~^T] [W_k b_k]^T (streamed in float64), and RoPE rotates a key at
+position p by R_p, so the post-RoPE second moment over a window of L positions is E_p[R_p K R_p^T]
+(computed exactly with lowrank.rotation_average, assuming a key's content does not depend on its
+position). ``--basis pre-rope`` uses the eigenvectors of K itself, as the paper's pre-rotary variant.
+The bases go into the checkpoint; the weights are unchanged, so with R = head_dim and every key kept the
+model is the original.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import Family
+from attnsurg.calibrate import InputStatistics
+from attnsurg.errors import UserError
+from attnsurg.methods import MethodSpec, register
+from attnsurg.methods.factorized import assemble_factorized
+from attnsurg.methods.lowrank import head_moments, rotation_average, unsupported_reason
+
+NAME = "loki"
+SUMMARY = "top-k attention with keys scored by their first R principal coordinates (Loki)"
+BASES = ("post-rope", "pre-rope")
+
+register(MethodSpec(NAME, SUMMARY, unsupported_reason))
+
+
+@dataclass
+class LokiPlan:
+    rank: int
+    top_k: int | float  # a count, or a fraction of each query's context
+    basis: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+    def surgery(self) -> dict:
+        return {"format": 1, "method": NAME, "loki": {"rank": self.rank, "top_k": self.top_k, "basis": self.basis}}
+
+
+def parse_top_k(text: str) -> int | float:
+    """'64' -> 64 keys; '0.25' or '1/4' -> a quarter of each query's context."""
+    try:
+        if "/" in text:
+            numerator, denominator = text.split("/")
+            value: int | float = float(numerator) / float(denominator)
+        else:
+            value = float(text) if "." in text else int(text)
+    except (ValueError, ZeroDivisionError):
+        raise UserError(f"--top-k expects a count (64) or a fraction of the context (0.25 or 1/4), got '{text}'") from None
+    return value
+
+
+def plan_loki(anatomy: AttentionAnatomy, rank: int | None, top_k: int | float | None, basis: str = "post-rope") -> LokiPlan:
+    reason = unsupported_reason(anatomy)
+    if reason:
+        raise UserError(f"cannot apply loki to this model: {reason}")
+    d = anatomy.head_dim
+    if rank is None or not 1 <= rank <= d:
+        raise UserError(f"--rank must be between 1 and the head dim {d}, got {rank}")
+    if top_k is None or isinstance(top_k, float) and not 0 < top_k <= 1 or isinstance(top_k, int) and top_k < 1:
+        raise UserError(f"--top-k must be a count >= 1 or a fraction in (0, 1], got {top_k}")
+    if basis not in BASES:
+        raise UserError(f"--basis must be one of {', '.join(BASES)}, got '{basis}'")
+    if anatomy.sliding_window:
+        raise UserError("loki needs full attention in every layer; this model uses a sliding window")
+    return LokiPlan(rank, top_k, basis, anatomy.num_layers, anatomy.num_kv_heads, d)
+
+
+def key_bases(attn, x: InputStatistics, kv_heads: int, inv_freq: torch.Tensor, seq_len: int, basis: str) -> torch.Tensor:
+    """[G, d, d]: per KV head, orthonormal columns ordered by key energy (post- or pre-RoPE)."""
+    bases = []
+    positions = torch.arange(seq_len, dtype=torch.float64)
+    for K in head_moments(attn.k_proj.weight, attn.k_proj.bias, x.sigma, kv_heads):
+        if basis == "post-rope":  # R_p K R_p^T = R_{-p}^T K R_{-p}
+            K = rotation_average(K, inv_freq, -positions, torch.ones_like(positions))
+        eigenvalues, eigenvectors = torch.linalg.eigh(K)
+        bases.append(eigenvectors[:, eigenvalues.argsort(descending=True)])
+    return torch.stack(bases)
+
+
+@torch.no_grad()
+def apply_loki(source: PreTrainedModel, family: Family, stats: list[InputStatistics], plan: LokiPlan, seq_len: int) -> PreTrainedModel:
+    """The attnsurg model with every layer's attention as Loki, bases from the attention-input statistics."""
+    inv_freq = source.get_submodule(family.rotary_path).inv_freq
+    layers = source.get_submodule(family.layers_path)
+    replaced: dict[str, torch.Tensor] = {}
+    for index, (layer, x) in enumerate(zip(layers, stats)):
+        attn = getattr(layer, family.attention_attr)
+        bases = key_bases(attn, x, plan.kv_heads, inv_freq, seq_len, plan.basis)
+        replaced[f"{family.layers_path}.{index}.{family.attention_attr}.loki_basis"] = bases
+    return assemble_factorized(source, family, plan.surgery(), {}, added=replaced)

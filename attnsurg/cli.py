@@ -343,13 +343,16 @@ def convert(
 # ------------------------------------------------------------------------------------------ compress
 LOW_RANK_METHODS = ("svd", "asvd", "svdllm")
 TENSOR_METHODS = ("tucker", "cp")
+SPARSE_METHODS = ("loki",)
 
 
 @app.command()
 @user_errors
 def compress(
     model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
-    method: Annotated[str, typer.Option("--method", "-m", help="svd, asvd, svdllm (low rank) or tucker, cp (tensor).")] = "svdllm",
+    method: Annotated[
+        str, typer.Option("--method", "-m", help="svd, asvd, svdllm (low rank), tucker, cp (tensor) or loki (top-k).")
+    ] = "svdllm",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
     targets: Annotated[str, typer.Option("--targets", help="Projections to factorize, comma-separated from q,k,v,o.")] = "q,k,v,o",
     ratio: Annotated[
@@ -363,6 +366,10 @@ def compress(
     ranks: Annotated[
         Optional[str], typer.Option("--ranks", help="Tucker mode ranks heads,head_dim,hidden (instead of --ratio).")
     ] = None,
+    top_k: Annotated[
+        Optional[str], typer.Option("--top-k", help="Loki: keys kept per query, a count (64) or a fraction of the context (0.25, 1/4).")
+    ] = None,
+    basis: Annotated[str, typer.Option("--basis", help="Loki: PCA of post-rope (default) or pre-rope keys.")] = "post-rope",
     kv_latent: Annotated[
         bool, typer.Option("--kv-latent", help="k and v share one cached latent per layer (a real KV-cache saving; --targets k,v).")
     ] = False,
@@ -387,10 +394,11 @@ def compress(
     """Compress attention projections (low rank or tensor-decomposed) and write a new checkpoint."""
     from attnsurg.compress import projection_flops, rank_rows, run_compress
     from attnsurg.methods.lowrank import parse_targets
-    from attnsurg.recipe import Calibration, CompressHeadTensor, CompressLowRank, ModelRef, TextData
+    from attnsurg.recipe import Calibration, CompressHeadTensor, CompressLoki, CompressLowRank, ModelRef, TextData
 
-    if method not in LOW_RANK_METHODS + TENSOR_METHODS:
-        raise UserError(f"--method {method} is not available; choose from {', '.join(LOW_RANK_METHODS + TENSOR_METHODS)}")
+    methods = LOW_RANK_METHODS + TENSOR_METHODS + SPARSE_METHODS
+    if method not in methods:
+        raise UserError(f"--method {method} is not available; choose from {', '.join(methods)}")
     if output is None and not dry_run:
         raise UserError("missing --output/-o: the directory to write the compressed checkpoint to")
     calibration_data = TextData(text=calib_text, part="calib") if calib_text else TextData(dataset=calib_dataset, part="calib")
@@ -405,6 +413,19 @@ def compress(
         overwrite=overwrite,
         seed=seed,
     )
+    if method in SPARSE_METHODS:
+        from attnsurg.methods.loki import parse_top_k
+
+        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--ratio": ratio is not None,
+                                "--ranks": ranks is not None, "--targets": targets != "q,k,v,o"})
+        common.pop("targets"), common.pop("ratio")
+        parsed = parse_top_k(top_k) if top_k is not None else None
+        request = CompressLoki(**common, rank=rank, top_k=parsed, basis=basis)
+        report = run_compress(request, dry_run=dry_run)
+        print_loki_report(model, report, json_output)
+        return
+    if top_k is not None:
+        raise UserError(f"--top-k is for --method loki, not {method}")
     if method in TENSOR_METHODS:
         reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate})
         if method == "tucker" and rank is not None:
@@ -437,6 +458,22 @@ def compress(
     if report.written:
         out.print(f"wrote {report.written} in {report.seconds:.1f} s (factorization {report.factorize_seconds:.1f} s), "
                   f"peak memory {report.peak_memory_gb:.2f} GB")
+    if report.ppl_before is not None:
+        out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
+
+
+def print_loki_report(model: str, report, json_output: bool) -> None:
+    plan = report.plan
+    record = {"rank": plan.rank, "top_k": plan.top_k, "basis": plan.basis, "written": report.written,
+              "seconds": report.seconds, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after}
+    if json_output:
+        print(json.dumps(record, indent=2))
+        return
+    top_k = f"{plan.top_k:g} of the context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
+    out.print(f"loki plan for {model}: every layer scores keys with {plan.rank} of {plan.head_dim} principal "
+              f"coordinates ({plan.basis} basis) and attends over the top {top_k}")
+    if report.written:
+        out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
     if report.ppl_before is not None:
         out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
 

@@ -31,15 +31,16 @@ from attnsurg.pipeline import (
     source_windows,
     to_source_dtype,
 )
-from attnsurg.recipe import CompressHeadTensor, CompressLowRank
+from attnsurg.methods.loki import LokiPlan, apply_loki, plan_loki
+from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank
 
 Plan = LowRankPlan | HeadTensorPlan
-Request = CompressLowRank | CompressHeadTensor
+Request = CompressLowRank | CompressHeadTensor | CompressLoki
 
 
 @dataclass
 class CompressReport:
-    plan: Plan
+    plan: Plan | LokiPlan
     anatomy: AttentionAnatomy
     written: str | None = None
     seconds: float = 0.0
@@ -76,7 +77,9 @@ def rank_rows(plan: Plan, labels: bool = True) -> list[dict]:
 
 def plan_request(request: Request):
     source, _, anatomy = inspect_model(request.model)
-    if isinstance(request, CompressHeadTensor):
+    if isinstance(request, CompressLoki):
+        plan = plan_loki(anatomy, request.rank, request.top_k, request.basis)
+    elif isinstance(request, CompressHeadTensor):
         plan = plan_head_tensor(anatomy, request.method, request.targets, request.ratio, request.ranks, request.weighted)
     else:
         plan = plan_lowrank(
@@ -101,26 +104,55 @@ def run_compress(request: Request, dry_run: bool = False) -> CompressReport:
     stats = input_statistics(model, attentions + [getattr(a, PROJECTIONS["o"]) for a in attentions], windows)
     started = time.perf_counter()
     layer_stats = list(zip(stats[: len(attentions)], stats[len(attentions) :]))
-    with ui.progress_bar(f"Factorizing ({plan.method})", total=anatomy.num_layers, unit="layers") as advance:
-        if isinstance(plan, HeadTensorPlan):
+    with ui.progress_bar(f"Factorizing ({request.method})", total=anatomy.num_layers, unit="layers") as advance:
+        if isinstance(plan, LokiPlan):
+            result_model = apply_loki(model, family, stats[: len(attentions)], plan, windows.shape[1])
+        elif isinstance(plan, HeadTensorPlan):
             result = compress_head_tensor(model, family, layer_stats, plan, request.seed, windows.shape[1], progress=advance)
         else:
             result = compress(model, family, layer_stats, plan, windows.shape[1], progress=advance)
     report.factorize_seconds = time.perf_counter() - started
-    report.plan, report.errors = result.plan, result.errors
+    if not isinstance(plan, LokiPlan):
+        result_model, report.plan, report.errors = result.model, result.plan, result.errors
     if request.eval_tokens:
         report.ppl_before, report.ppl_after = perplexity_before_after(
-            model, result.model, tokenizer, request.calibration, request.eval_tokens, anatomy
+            model, result_model, tokenizer, request.calibration, request.eval_tokens, anatomy
         )
-    to_source_dtype(result.model, anatomy)
+    to_source_dtype(result_model, anatomy)
     report.seconds = time.perf_counter() - start
     report.peak_memory_gb = peak_memory_gb()
     recipe = yaml.safe_dump(request.model_dump(mode="json"), sort_keys=False)
     extra = {"attnsurg_recipe.yaml": recipe, MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
-    report.written = str(
-        write_checkpoint(result.model, tokenizer, request.output, lowrank_card(request, report), request.overwrite, extra_files=extra)
-    )
+    card = loki_card(request, report) if isinstance(plan, LokiPlan) else lowrank_card(request, report)
+    report.written = str(write_checkpoint(result_model, tokenizer, request.output, card, request.overwrite, extra_files=extra))
     return report
+
+
+def loki_card(request: CompressLoki, report: CompressReport) -> CardInfo:
+    plan, calib = report.plan, request.calibration
+    data = calib.data.dataset or str(calib.data.text)
+    top_k = f"{plan.top_k:g} of each query's context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
+    figures = [{"metric": "KV bytes per token (bf16)", "before": f"{report.anatomy.kv_bytes_per_token('bfloat16'):,}",
+                "after": f"{report.anatomy.kv_bytes_per_token('bfloat16'):,} (keys cached rotated, full width)"}]
+    if report.ppl_before is not None:
+        figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",
+                        "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
+    return CardInfo(
+        title=f"{request.model.ref} with Loki top-k attention (rank {plan.rank}, top-k {top_k})",
+        summary=(
+            "Every layer scores keys with their first principal coordinates and attends exactly over the best "
+            "ones (Loki). The weights are the original's; the checkpoint adds one PCA basis per layer and KV head. "
+            "Load with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` or with attnsurg."
+        ),
+        base_model=base_model_id(request.model.ref),
+        command=command_line(),
+        details=[
+            f"rank {plan.rank} of head dim {plan.head_dim}; top-k {top_k} (the current token always kept); "
+            f"{plan.basis} key basis",
+            f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; no healing",
+        ],
+        figures=figures,
+    )
 
 
 def rank_table(plan: Plan) -> str:

@@ -139,3 +139,21 @@ class CompressHeadTensor(Strict):
     eval_tokens: int = Field(2048, ge=0)
     overwrite: bool = False
     seed: int = 0
+
+
+class CompressLoki(Strict):
+    """``attnsurg compress MODEL --method loki``: keys scored by R principal coordinates, top-k attention.
+
+    ``top_k`` is a count of keys, or (a float in (0, 1]) a fraction of each query's context.
+    """
+
+    model: ModelRef
+    output: Path
+    method: Literal["loki"] = "loki"
+    rank: int | None = None
+    top_k: int | float | None = None
+    basis: Literal["post-rope", "pre-rope"] = "post-rope"
+    calibration: Calibration = Calibration()
+    eval_tokens: int = Field(2048, ge=0)
+    overwrite: bool = False
+    seed: int = 0

@@ -97,3 +97,25 @@ def apply_loki(source: PreTrainedModel, family: Family, stats: list[InputStatist
         bases = key_bases(attn, x, plan.kv_heads, inv_freq, seq_len, plan.basis)
         replaced[f"{family.layers_path}.{index}.{family.attention_attr}.loki_basis"] = bases
     return assemble_factorized(source, family, plan.surgery(), {}, added=replaced)
+
+
+@torch.no_grad()
+def top_k_recall(model: PreTrainedModel, windows: torch.Tensor) -> float:
+    """Mean fraction of the exact top-k keys (by full q . k) that the rank-r scores select, over every
+    query, head and layer of the windows."""
+    from attnsurg.modeling.modeling_attnsurg import LokiAttention
+
+    attentions = [m for m in model.modules() if isinstance(m, LokiAttention)]
+    if not attentions:
+        raise UserError("this model has no Loki attention to measure")
+    for attention in attentions:
+        attention.recall = []
+    try:
+        device = next(model.parameters()).device
+        for window in windows:
+            model(input_ids=window[None].to(device), use_cache=False)
+        values = [v for attention in attentions for v in attention.recall]
+    finally:
+        for attention in attentions:
+            attention.recall = None
+    return sum(values) / len(values)

@@ -278,6 +278,12 @@ class LokiAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.loki_basis = nn.Parameter(torch.zeros(self.num_key_value_heads, self.head_dim, self.head_dim))
         self.rank, self.top_k = rank, top_k
+        self.recall: list[float] | None = None  # set to a list to record top-k recall per forward
+
+    def record_recall(self, query: torch.Tensor, key: torch.Tensor, selected: torch.Tensor) -> None:
+        """Fraction of the exact top-k keys (same counts, causal) that the rank-r scores selected."""
+        exact = self.selection(query, key, key.shape[2], rank=self.head_dim)
+        self.recall.append(float((exact & selected).sum() / exact.sum()))
 
     def keep_counts(self, context: torch.Tensor) -> torch.Tensor:
         """How many keys each query keeps, given how many it may see."""
@@ -287,15 +293,16 @@ class LokiAttention(nn.Module):
             keep = torch.full_like(context, int(self.top_k))
         return torch.minimum(keep.clamp_min(1), context)
 
-    def selection(self, query: torch.Tensor, key: torch.Tensor, total: int) -> torch.Tensor:
+    def selection(self, query: torch.Tensor, key: torch.Tensor, total: int, rank: int | None = None) -> torch.Tensor:
         """[B, H, T, S] bool: the keys each query attends to (causal, top-k by the rank-r scores)."""
+        rank = self.rank if rank is None else rank
         length = query.shape[2]
         positions = torch.arange(total - length, total, device=query.device)
         allowed = torch.arange(total, device=query.device)[None, :] <= positions[:, None]  # [T, S]
         keep = self.keep_counts(positions + 1)
         if bool((keep == positions + 1).all()):
             return allowed.expand(query.shape[0], query.shape[1], -1, -1)
-        approx = query[..., : self.rank] @ key[..., : self.rank].transpose(-1, -2)
+        approx = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
         approx = approx.masked_fill(~allowed, float("-inf"))
         current = torch.arange(length, device=query.device)
         approx[..., current, positions] = float("inf")  # the current token is always kept
@@ -326,6 +333,8 @@ class LokiAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx)
         key, value = repeat_heads(key, groups), repeat_heads(value, groups)
         selected = self.selection(query, key, key.shape[2])
+        if self.recall is not None:
+            self.record_recall(query, key, selected)
         scores = (query @ key.transpose(-1, -2)) * self.scaling
         scores = scores.masked_fill(~selected, float("-inf"))
         if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.shape[-1] == key.shape[2]:

@@ -1,0 +1,106 @@
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_layers, input_statistics
+from attnsurg.cli import app
+from attnsurg.errors import UserError
+from attnsurg.io.load import load_model, resolve_source
+from attnsurg.methods.loki import apply_loki, parse_top_k, plan_loki, top_k_recall
+
+from conftest import build_tiny
+from test_lowrank import VOCAB, held_out, logit_error
+
+
+def loki_model(model, family: str, rank: int, top_k, basis: str = "post-rope"):
+    windows = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
+    fam = family_for_surgery(family)
+    stats = input_statistics(model, attention_layers(model, fam), windows)
+    return apply_loki(model, fam, stats, plan_loki(inspect_config(model.config), rank, top_k, basis), 64)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("top_k", [1.0, 1000])
+def test_full_rank_and_every_key_reproduce_the_logits(family, top_k):
+    model = build_tiny(family, VOCAB, num_key_value_heads=2)
+    assert logit_error(loki_model(model, family, 16, top_k), model, held_out()) < 1e-4
+
+
+def test_error_falls_as_rank_and_top_k_grow():
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    by_k = [logit_error(loki_model(model, "llama", 8, k), model, held_out(), "mse") for k in (0.125, 0.25, 0.5)]
+    by_rank = [logit_error(loki_model(model, "llama", r, 0.25), model, held_out(), "mse") for r in (2, 8, 16)]
+    assert by_k[0] > by_k[1] > by_k[2]
+    assert by_rank[0] > by_rank[1] > by_rank[2]
+
+
+def test_recall_grows_with_rank_and_is_complete_at_full_rank():
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    windows = held_out(5)
+    recalls = [top_k_recall(loki_model(model, "llama", r, 0.25), windows) for r in (2, 8, 16)]
+    assert recalls[0] < recalls[1] < recalls[2] == pytest.approx(1.0)
+
+
+def test_post_rope_basis_is_orthonormal_and_differs_from_pre_rope():
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    post = loki_model(model, "llama", 4, 0.25).model.layers[0].self_attn.loki_basis
+    pre = loki_model(model, "llama", 4, 0.25, "pre-rope").model.layers[0].self_attn.loki_basis
+    eye = torch.eye(16).expand(2, -1, -1)
+    assert torch.allclose(post.transpose(1, 2) @ post, eye, atol=1e-5)
+    assert not torch.allclose(post.abs(), pre.abs(), atol=1e-2)
+
+
+def test_decode_with_the_cache_matches_prefill_recomputation():
+    model = loki_model(build_tiny("qwen2", VOCAB, num_key_value_heads=2), "qwen2", 4, 8)
+    prompt = held_out()[:1, :8]
+    generated = model.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20, eos_token_id=None)
+    with torch.no_grad():
+        tokens = prompt
+        for _ in range(20):
+            tokens = torch.cat([tokens, model(tokens, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(generated, tokens)
+
+
+@pytest.mark.parametrize(
+    "rank, top_k, fragment",
+    [(0, 0.25, "--rank"), (17, 0.25, "--rank"), (4, 0, "--top-k"), (4, 1.5, "--top-k"), (4, None, "--top-k")],
+)
+def test_bad_rank_and_top_k(rank, top_k, fragment):
+    anatomy = inspect_config(build_tiny("llama", VOCAB, num_key_value_heads=2).config)
+    with pytest.raises(UserError, match=fragment):
+        plan_loki(anatomy, rank, top_k)
+
+
+def test_top_k_parsing():
+    assert parse_top_k("64") == 64 and parse_top_k("0.25") == 0.25 and parse_top_k("1/8") == 0.125
+    with pytest.raises(UserError, match="--top-k"):
+        parse_top_k("a quarter")
+
+
+def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_file, tmp_path):
+    out = tmp_path / "loki"
+    args = ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "loki", "--rank", "4", "--top-k", "1/4",
+            "--calib-text", str(corpus_file), "--calib-tokens", "512", "--eval-tokens", "256", "-o", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["rank"] == 4 and record["top_k"] == 0.25 and record["ppl_after"] > 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["attnsurg"]["loki"] == {"rank": 4, "top_k": 0.25, "basis": "post-rope"}
+    bad = CliRunner().invoke(app, ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "loki", "--rank", "99",
+                                   "--top-k", "8", "-o", str(tmp_path / "never")])
+    assert bad.exit_code == 2 and len(bad.output.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
+
+
+def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
+    from attnsurg.io.card import CardInfo
+    from attnsurg.io.save import write_checkpoint
+
+    source = load_model(resolve_source(str(tiny_checkpoints["mistral"])))
+    model = loki_model(source, "mistral", 6, 16)
+    write_checkpoint(model, None, tmp_path / "out", CardInfo(title="t", summary="s"))
+    assert logit_error(model, load_model(resolve_source(str(tmp_path / "out"))), held_out()) == 0.0

@@ -54,15 +54,20 @@ def decoder_inputs(model: nn.Module, family: Family, windows: torch.Tensor) -> l
 def captured_inputs(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor) -> list[torch.Tensor]:
     """The ``hidden_states`` each module receives while the model runs over the windows."""
     captured: list[list[torch.Tensor]] = [[] for _ in modules]
+    run_with_input_hooks(model, modules, windows, lambda i, x: captured[i].append(x.detach().float().cpu()))
+    return [torch.cat(chunks) for chunks in captured]
 
-    def capture(index: int):
+
+def run_with_input_hooks(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor, receive) -> None:
+    """Run the model over each window, calling ``receive(i, x)`` with the input of ``modules[i]``."""
+
+    def hook_for(index: int):
         def hook(module, args, kwargs):
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            captured[index].append(x.detach().float().cpu())
+            receive(index, kwargs.get("hidden_states", args[0] if args else None))
 
         return hook
 
-    handles = [a.register_forward_pre_hook(capture(i), with_kwargs=True) for i, a in enumerate(modules)]
+    handles = [m.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, m in enumerate(modules)]
     device = next(model.parameters()).device
     try:
         with ui.progress_bar("Calibrating", total=len(windows), unit="windows") as advance:
@@ -72,7 +77,6 @@ def captured_inputs(model: nn.Module, modules: list[nn.Module], windows: torch.T
     finally:
         for handle in handles:
             handle.remove()
-    return [torch.cat(chunks) for chunks in captured]
 
 
 def second_moment(x: torch.Tensor) -> torch.Tensor:
@@ -117,21 +121,5 @@ class InputStatistics:
 def input_statistics(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor) -> list[InputStatistics]:
     """Second moment and mean magnitude of each module's input over the windows, accumulated with hooks."""
     stats = [InputStatistics() for _ in modules]
-
-    def accumulate(index: int):
-        def hook(module, args, kwargs):
-            stats[index].add(kwargs.get("hidden_states", args[0] if args else None))
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(accumulate(i), with_kwargs=True) for i, m in enumerate(modules)]
-    device = next(model.parameters()).device
-    try:
-        with ui.progress_bar("Calibrating", total=len(windows), unit="windows") as advance:
-            for window in windows:
-                model(input_ids=window[None].to(device), use_cache=False)
-                advance()
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_with_input_hooks(model, modules, windows, lambda i, x: stats[i].add(x))
     return stats

@@ -21,16 +21,8 @@ import json
 import time
 from pathlib import Path
 
-import torch
-from transformers import DynamicCache
-
-from attnsurg.arch import inspect_config
-from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import attention_layers, calibration_windows, input_statistics
-from attnsurg.eval.perplexity import eval_windows, perplexity_of
-from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods.lowrank import compress, plan_lowrank
-from attnsurg.recipe import TextData
+from common import Setup, cache_bytes_per_token, prepare
 
 VARIANTS = [  # label, method, weighted, allocate
     ("svd", "svd", False, False),
@@ -41,22 +33,14 @@ VARIANTS = [  # label, method, weighted, allocate
 ]
 
 
-@torch.inference_mode()
-def cache_bytes_per_token(model, context: int = 256) -> float:
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.zeros(1, context, dtype=torch.long), cache=cache, use_cache=True)
-    total = sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))  # as bf16
-    return total / context
-
-
-def run_rows(model, family, anatomy, stats, seq_len, tokens, plan_windows, original, ratio, targets, kv_latent):
-    rows = []
+def run_rows(setup: Setup, ratio: float, targets: str, kv_latent: bool) -> list[dict]:
+    rows, original = [], setup.original_ppl
     for label, method, weighted, allocate in VARIANTS:
-        plan = plan_lowrank(anatomy, method, targets, ratio=ratio, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
+        plan = plan_lowrank(setup.anatomy, method, targets, ratio=ratio, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
         start = time.perf_counter()
-        result = compress(model, family, stats, plan, seq_len)
+        result = compress(setup.model, setup.family, setup.stats, plan, setup.seq_len)
         seconds = time.perf_counter() - start
-        ppl = perplexity_of(result.model, tokens, plan_windows)
+        ppl = setup.ppl(result.model)
         rows.append({"variant": label, "ratio_requested": ratio, "kept": result.plan.kept_fraction, "ppl": ppl,
                      "ppl_ratio": ppl / original, "factorize_s": seconds,
                      "kv_bytes_per_token": cache_bytes_per_token(result.model),
@@ -83,27 +67,17 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=4096)
     args = parser.parse_args()
 
-    source = resolve_source(args.model)
-    model, tokenizer = load_model(source), load_tokenizer(source)
-    anatomy = inspect_config(model.config)
-    family = family_for_surgery(anatomy.model_type)
-    tokens, plan_windows = eval_windows(tokenizer, TextData(dataset="wiki-sample", part="eval"), 1024, args.windows * 1024)
-    original = perplexity_of(model, tokens, plan_windows)
-    start = time.perf_counter()
-    windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
-    attns = attention_layers(model, family)
-    flat = input_statistics(model, attns + [a.o_proj for a in attns], windows)
-    stats = list(zip(flat[: len(attns)], flat[len(attns) :]))
-    calibration_s = time.perf_counter() - start
-    record = {"original_ppl": original, "calibration_s": calibration_s, "original_kv_bytes_per_token": cache_bytes_per_token(model),
-              "tables": {}}
+    setup = prepare(args.model, args.windows, args.calib_tokens)
+    original, calibration_s = setup.original_ppl, setup.calibration_s
+    record = {"original_ppl": original, "calibration_s": calibration_s,
+              "original_kv_bytes_per_token": cache_bytes_per_token(setup.model), "tables": {}}
     for ratio in args.kv_ratios:
         print(f"k/v latent at {ratio} of the KV cache", flush=True)
-        rows = run_rows(model, family, anatomy, stats, windows.shape[1], tokens, plan_windows, original, ratio, "k,v", True)
+        rows = run_rows(setup, ratio, "k,v", True)
         record["tables"][f"kv_latent_{ratio}"] = rows
     for ratio in args.param_ratio:
         print(f"q,k,v,o at {ratio} of the attention parameters", flush=True)
-        rows = run_rows(model, family, anatomy, stats, windows.shape[1], tokens, plan_windows, original, ratio, "q,k,v,o", False)
+        rows = run_rows(setup, ratio, "q,k,v,o", False)
         record["tables"][f"qkvo_{ratio}"] = rows
     print(f"\ncalibration ({args.calib_tokens} tokens, shared by every row): {calibration_s:.1f} s; "
           f"original KV B/token (bf16): {record['original_kv_bytes_per_token']:,.0f}")

@@ -18,15 +18,9 @@ import json
 import time
 from pathlib import Path
 
-from attnsurg.arch import inspect_config
-from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import attention_layers, calibration_windows, input_statistics
-from attnsurg.eval.perplexity import eval_windows, perplexity_of
-from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods.headtensor import compress_head_tensor, plan_head_tensor
 from attnsurg.methods.lowrank import compress, plan_lowrank
-from attnsurg.recipe import TextData
-from lowrank_budget import cache_bytes_per_token
+from common import cache_bytes_per_token, prepare
 
 TARGETS = "q,k,v,o"
 
@@ -50,28 +44,18 @@ def main() -> None:
     parser.add_argument("--plain-tensor", action="store_true", help="Also tucker and cp without consumer weights.")
     args = parser.parse_args()
 
-    source = resolve_source(args.model)
-    model, tokenizer = load_model(source), load_tokenizer(source)
-    anatomy = inspect_config(model.config)
-    family = family_for_surgery(anatomy.model_type)
-    tokens, plan_windows = eval_windows(tokenizer, TextData(dataset="wiki-sample", part="eval"), 1024, args.windows * 1024)
-    original = perplexity_of(model, tokens, plan_windows)
-    start = time.perf_counter()
-    windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
-    attns = attention_layers(model, family)
-    flat = input_statistics(model, attns + [a.o_proj for a in attns], windows)
-    stats = list(zip(flat[: len(attns)], flat[len(attns) :]))
-    calibration_s = time.perf_counter() - start
+    setup = prepare(args.model, args.windows, args.calib_tokens)
+    original, calibration_s = setup.original_ppl, setup.calibration_s
     rows = []
     for ratio in args.ratios:
-        for label, plan in variants(anatomy, ratio, args.plain_tensor):
+        for label, plan in variants(setup.anatomy, ratio, args.plain_tensor):
             start = time.perf_counter()
             if label.startswith("svdllm"):
-                result = compress(model, family, stats, plan, windows.shape[1])
+                result = compress(setup.model, setup.family, setup.stats, plan, setup.seq_len)
             else:
-                result = compress_head_tensor(model, family, stats, plan, seq_len=windows.shape[1])
+                result = compress_head_tensor(setup.model, setup.family, setup.stats, plan, seq_len=setup.seq_len)
             seconds = time.perf_counter() - start
-            ppl = perplexity_of(result.model, tokens, plan_windows)
+            ppl = setup.ppl(result.model)
             plan = result.plan
             rows.append({"ratio": ratio, "variant": label, "kept": plan.kept_fraction, "ppl": ppl, "ppl_ratio": ppl / original,
                          "params": plan.params_after(), "flops_per_token": plan.flops_after(),

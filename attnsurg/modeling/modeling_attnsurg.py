@@ -392,17 +392,21 @@ def link_rotary(model: nn.Module) -> None:
             object.__setattr__(layer.self_attn, "rotary", model.model.rotary_emb)  # also FactoredKVAttention
 
 
+class SurgeryMixin:
+    """Builds the family's model, then rebuilds the modules that ``config.attnsurg`` names."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        apply_surgery(self, config.attnsurg or {})
+
+
 class AttnsurgLlamaConfig(LlamaConfig):
     model_type = "attnsurg_llama"
     attnsurg: dict | None = None
 
 
-class AttnsurgLlamaForCausalLM(LlamaForCausalLM):
+class AttnsurgLlamaForCausalLM(SurgeryMixin, LlamaForCausalLM):
     config_class = AttnsurgLlamaConfig
-
-    def __init__(self, config: AttnsurgLlamaConfig) -> None:
-        super().__init__(config)
-        apply_surgery(self, config.attnsurg or {})
 
 
 class AttnsurgMistralConfig(MistralConfig):
@@ -410,12 +414,8 @@ class AttnsurgMistralConfig(MistralConfig):
     attnsurg: dict | None = None
 
 
-class AttnsurgMistralForCausalLM(MistralForCausalLM):
+class AttnsurgMistralForCausalLM(SurgeryMixin, MistralForCausalLM):
     config_class = AttnsurgMistralConfig
-
-    def __init__(self, config: AttnsurgMistralConfig) -> None:
-        super().__init__(config)
-        apply_surgery(self, config.attnsurg or {})
 
 
 class AttnsurgQwen2Config(Qwen2Config):
@@ -423,12 +423,8 @@ class AttnsurgQwen2Config(Qwen2Config):
     attnsurg: dict | None = None
 
 
-class AttnsurgQwen2ForCausalLM(Qwen2ForCausalLM):
+class AttnsurgQwen2ForCausalLM(SurgeryMixin, Qwen2ForCausalLM):
     config_class = AttnsurgQwen2Config
-
-    def __init__(self, config: AttnsurgQwen2Config) -> None:
-        super().__init__(config)
-        apply_surgery(self, config.attnsurg or {})
 
 
 # model_type of the base family -> (config class, model class) of its attnsurg form

@@ -1,0 +1,59 @@
+"""What the compression benchmarks share: the demo model, its evaluation windows and one calibration."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_layers, calibration_windows, input_statistics
+from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.io.load import load_model, load_tokenizer, resolve_source
+from attnsurg.recipe import TextData
+
+
+@dataclass
+class Setup:
+    model: object
+    tokenizer: object
+    anatomy: object
+    family: object
+    tokens: object
+    eval_plan: object
+    original_ppl: float
+    stats: list  # per layer: (attention input, o_proj input) statistics
+    seq_len: int
+    calibration_s: float
+
+    def ppl(self, model) -> float:
+        return perplexity_of(model, self.tokens, self.eval_plan)
+
+
+def prepare(model_ref: str, windows: int, calib_tokens: int, seq_len: int = 512) -> Setup:
+    """Load, score the original on WINDOWS x 1024 eval tokens of wiki-sample, calibrate once on its
+    calibration half (attention and o_proj inputs of every layer)."""
+    source = resolve_source(model_ref)
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    anatomy = inspect_config(model.config)
+    family = family_for_surgery(anatomy.model_type)
+    tokens, plan = eval_windows(tokenizer, TextData(dataset="wiki-sample", part="eval"), 1024, windows * 1024)
+    original = perplexity_of(model, tokens, plan)
+    start = time.perf_counter()
+    calib = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), calib_tokens, seq_len)
+    attns = attention_layers(model, family)
+    flat = input_statistics(model, attns + [a.o_proj for a in attns], calib)
+    stats = list(zip(flat[: len(attns)], flat[len(attns) :]))
+    return Setup(model, tokenizer, anatomy, family, tokens, plan, original, stats, calib.shape[1], time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def cache_bytes_per_token(model, context: int = 256) -> float:
+    """Bytes per token (as bf16) the transformers cache holds after a forward over ``context`` tokens."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.zeros(1, context, dtype=torch.long), cache=cache, use_cache=True)
+    total = sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))
+    return total / context

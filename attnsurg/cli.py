@@ -417,15 +417,16 @@ def compress(
         from attnsurg.methods.loki import parse_top_k
 
         reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--ratio": ratio is not None,
-                                "--ranks": ranks is not None, "--targets": targets != "q,k,v,o"})
+                                "--ranks": ranks is not None, "--targets": targets != "q,k,v,o",
+                                "--weighted/--unweighted": weighted is not None})
         common.pop("targets"), common.pop("ratio")
         parsed = parse_top_k(top_k) if top_k is not None else None
         request = CompressLoki(**common, rank=rank, top_k=parsed, basis=basis)
         report = run_compress(request, dry_run=dry_run)
         print_loki_report(model, report, json_output)
         return
-    if top_k is not None:
-        raise UserError(f"--top-k is for --method loki, not {method}")
+    if top_k is not None or basis != "post-rope":
+        raise UserError(f"--top-k and --basis are for --method loki, not {method}")
     if method in TENSOR_METHODS:
         reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate})
         if method == "tucker" and rank is not None:

@@ -104,3 +104,19 @@ def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
     model = loki_model(source, "mistral", 6, 16)
     write_checkpoint(model, None, tmp_path / "out", CardInfo(title="t", summary="s"))
     assert logit_error(model, load_model(resolve_source(str(tmp_path / "out"))), held_out()) == 0.0
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_left_padding_changes_nothing(implementation):
+    """Padded keys are neither attended nor counted in a query's context or its top-k."""
+    model = loki_model(build_tiny("llama", VOCAB, num_key_value_heads=2), "llama", 4, 3)
+    model.config._attn_implementation = implementation
+    ids = held_out()[:1, :10]
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 10, dtype=torch.long)], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        alone = model(ids).logits[:, -1]
+        with_padding = model(padded, attention_mask=mask, position_ids=positions).logits[:, -1]
+    assert torch.isfinite(with_padding).all()
+    torch.testing.assert_close(with_padding, alone, atol=1e-4, rtol=1e-4)

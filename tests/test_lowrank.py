@@ -288,3 +288,13 @@ def test_input_statistics_accumulate_the_augmented_moment():
     xa = torch.cat([x.reshape(-1, 4), torch.ones(15, 1)], 1).double()
     assert torch.allclose(stats.sigma, xa.T @ xa / 15)
     assert torch.allclose(stats.abs_mean, x.reshape(-1, 4).abs().mean(0).double())
+
+
+def test_static_cache_is_refused_with_a_reason():
+    from transformers import StaticCache
+
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    result = compressed(model, "llama", calibration(model, "llama"), method="svdllm", targets="k,v", ratio=0.5, kv_latent=True)
+    cache = StaticCache(config=result.config, max_cache_len=32)
+    with pytest.raises(ValueError, match="dynamic cache"), torch.no_grad():
+        result(held_out()[:1, :8], cache=cache, use_cache=True)

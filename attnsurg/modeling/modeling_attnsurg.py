@@ -138,6 +138,24 @@ class CPProjection(HeadTensorProjection):
         return y if self.bias is None else y + self.bias
 
 
+def require_dynamic_cache(cache) -> None:
+    """Positions are counted from the cache length, which only a dynamic cache reports truthfully."""
+    if cache is not None and getattr(cache, "is_compileable", False):
+        raise ValueError("attnsurg's latent, factored and Loki attention need a dynamic cache (DynamicCache), "
+                         "not a static or compiled one")
+
+
+def key_mask(attention_mask: torch.Tensor | None, total: int) -> torch.Tensor | None:
+    """The attention mask as booleans [B, 1, T or 1, S] (True: may attend), whatever form it came in."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        attention_mask = attention_mask[:, None, None, :]
+    if attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    return attention_mask[..., -total:]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -201,9 +219,11 @@ class LatentKVAttention(nn.Module):
         past_key_values=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = cache if cache is not None else past_key_values
+        require_dynamic_cache(cache)
         batch, length, _ = hidden_states.shape
         query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        key, value = self.keys_and_values(hidden_states, cache if cache is not None else past_key_values)
+        key, value = self.keys_and_values(hidden_states, cache)
         total = key.shape[2]
 
         positions = torch.arange(total, device=hidden_states.device).unsqueeze(0)
@@ -280,35 +300,40 @@ class LokiAttention(nn.Module):
         self.rank, self.top_k = rank, top_k
         self.recall: list[float] | None = None  # set to a list to record top-k recall per forward
 
-    def record_recall(self, query: torch.Tensor, key: torch.Tensor, selected: torch.Tensor) -> None:
+    def record_recall(self, query: torch.Tensor, key: torch.Tensor, mask, selected: torch.Tensor) -> None:
         """Fraction of the exact top-k keys (same counts, causal) that the rank-r scores selected."""
-        exact = self.selection(query, key, key.shape[2], rank=self.head_dim)
+        exact = self.selection(query, key, mask, rank=self.head_dim)
         self.recall.append(float((exact & selected).sum() / exact.sum()))
 
     def keep_counts(self, context: torch.Tensor) -> torch.Tensor:
         """How many keys each query keeps, given how many it may see."""
-        if self.top_k < 1 or isinstance(self.top_k, float):
+        if isinstance(self.top_k, float):
             keep = torch.ceil(context.double() * self.top_k).long()
         else:
             keep = torch.full_like(context, int(self.top_k))
         return torch.minimum(keep.clamp_min(1), context)
 
-    def selection(self, query: torch.Tensor, key: torch.Tensor, total: int, rank: int | None = None) -> torch.Tensor:
-        """[B, H, T, S] bool: the keys each query attends to (causal, top-k by the rank-r scores)."""
+    def selection(
+        self, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, rank: int | None = None
+    ) -> torch.Tensor:
+        """[B, H, T, S] bool: the keys each query attends to (causal and unmasked, top-k by rank-r scores)."""
         rank = self.rank if rank is None else rank
-        length = query.shape[2]
+        length, total = query.shape[2], key.shape[2]
         positions = torch.arange(total - length, total, device=query.device)
         allowed = torch.arange(total, device=query.device)[None, :] <= positions[:, None]  # [T, S]
-        keep = self.keep_counts(positions + 1)
-        if bool((keep == positions + 1).all()):
-            return allowed.expand(query.shape[0], query.shape[1], -1, -1)
+        allowed = allowed if mask is None else allowed & mask  # padding
+        allowed = allowed.expand(query.shape[0], query.shape[1], -1, -1)
+        context = allowed.sum(-1)
+        keep = self.keep_counts(context)
+        if bool((keep == context).all()):
+            return allowed
         approx = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
         approx = approx.masked_fill(~allowed, float("-inf"))
         current = torch.arange(length, device=query.device)
-        approx[..., current, positions] = float("inf")  # the current token is always kept
+        approx[..., current, positions] = torch.where(allowed[..., current, positions], float("inf"), float("-inf"))
         order = approx.argsort(dim=-1, descending=True)
         ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(total, device=query.device).expand_as(order))
-        return (ranks < keep[:, None]) & allowed
+        return (ranks < keep[..., None]) & allowed
 
     def forward(
         self,
@@ -320,6 +345,7 @@ class LokiAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         cache = cache if cache is not None else past_key_values
+        require_dynamic_cache(cache)
         batch, length, _ = hidden_states.shape
         d, groups = self.head_dim, self.num_key_value_groups
         query = self.q_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)
@@ -332,14 +358,13 @@ class LokiAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         key, value = repeat_heads(key, groups), repeat_heads(value, groups)
-        selected = self.selection(query, key, key.shape[2])
+        mask = key_mask(attention_mask, key.shape[2])
+        selected = self.selection(query, key, mask)
         if self.recall is not None:
-            self.record_recall(query, key, selected)
+            self.record_recall(query, key, mask, selected)
         scores = (query @ key.transpose(-1, -2)) * self.scaling
         scores = scores.masked_fill(~selected, float("-inf"))
-        if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.shape[-1] == key.shape[2]:
-            scores = scores + attention_mask  # padding
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(query.dtype)  # padded queries
         output = (weights @ value).transpose(1, 2).reshape(batch, length, -1)
         return self.o_proj(output), None
 

@@ -166,16 +166,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-class LatentKVAttention(nn.Module):
-    """Attention whose cache holds one latent per token for K and V together.
+class AttentionBase(nn.Module):
+    """The settings every attnsurg attention shares with the family's own (head sizes, groups, scale)."""
 
-    ``kv_down`` maps the input to the latent c (width r, cached); ``kv_up`` maps c to [K; V] (rows: the G
-    key heads, then the G value heads), so K and V are rebuilt from the cache at every step and RoPE is
-    applied to the rebuilt keys. Rotations are relative, so key positions are counted from the start of the
-    cache and query positions continue them; left padding shifts both alike and changes no score.
-    """
-
-    def __init__(self, config, layer_idx: int, rank: int, kv_bias: bool, q_proj: nn.Module, o_proj: nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -185,30 +179,19 @@ class LatentKVAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        self.q_proj = q_proj
-        self.o_proj = o_proj
-        self.kv_down = nn.Linear(config.hidden_size, rank, bias=False)
-        self.kv_up = nn.Linear(rank, 2 * self.num_key_value_heads * self.head_dim, bias=kv_bias)
-        self.rotary: Callable | None = None  # the model's rotary embedding, set by the model (not a submodule)
 
-    @property
-    def latent_rank(self) -> int:
-        return self.kv_down.out_features
 
-    def cached_latent(self, latent: torch.Tensor, cache) -> torch.Tensor:
-        """Append this step's latent to the cache (split over its key and value slots) and return it all."""
-        if cache is None:
-            return latent
-        half = (latent.shape[-1] + 1) // 2
-        first, second = cache.update(latent[..., :half].unsqueeze(1), latent[..., half:].unsqueeze(1), self.layer_idx)
-        return torch.cat([first, second], dim=-1).squeeze(1)
+class RebuiltKVAttention(AttentionBase):
+    """Attention whose cache holds something narrower than K and V, rebuilt into K and V at every step
+    (``keys_and_values``), with RoPE applied to the rebuilt keys. Rotations are relative, so key positions
+    are counted from the start of the cache and query positions continue them; left padding shifts both
+    alike and changes no score."""
+
+    rotary: Callable | None = None  # the model's rotary embedding, set by the model (not a submodule)
 
     def keys_and_values(self, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ([batch, G, all cached tokens, d], before RoPE) rebuilt from the cached latent."""
-        latent = self.cached_latent(self.kv_down(hidden_states), cache)
-        batch, total = latent.shape[:2]
-        kv = self.kv_up(latent).view(batch, total, 2, self.num_key_value_heads, self.head_dim)
-        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        """K and V, [batch, G, all cached tokens, d], before RoPE."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -245,23 +228,45 @@ class LatentKVAttention(nn.Module):
         return self.o_proj(output.reshape(batch, length, -1).contiguous()), weights
 
 
-class FactoredKVAttention(LatentKVAttention):
+class LatentKVAttention(RebuiltKVAttention):
+    """The cache holds one latent per token for K and V together: ``kv_down`` maps the input to the latent
+    c (width r, cached); ``kv_up`` maps c to [K; V] (rows: the G key heads, then the G value heads)."""
+
+    def __init__(self, config, layer_idx: int, rank: int, kv_bias: bool, q_proj: nn.Module, o_proj: nn.Module):
+        super().__init__(config, layer_idx)
+        self.q_proj = q_proj
+        self.o_proj = o_proj
+        self.kv_down = nn.Linear(config.hidden_size, rank, bias=False)
+        self.kv_up = nn.Linear(rank, 2 * self.num_key_value_heads * self.head_dim, bias=kv_bias)
+
+    @property
+    def latent_rank(self) -> int:
+        return self.kv_down.out_features
+
+    def cached_latent(self, latent: torch.Tensor, cache) -> torch.Tensor:
+        """Append this step's latent to the cache (split over its key and value slots) and return it all."""
+        if cache is None:
+            return latent
+        half = (latent.shape[-1] + 1) // 2
+        first, second = cache.update(latent[..., :half].unsqueeze(1), latent[..., half:].unsqueeze(1), self.layer_idx)
+        return torch.cat([first, second], dim=-1).squeeze(1)
+
+    def keys_and_values(self, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ([batch, G, all cached tokens, d], before RoPE) rebuilt from the cached latent."""
+        latent = self.cached_latent(self.kv_down(hidden_states), cache)
+        batch, total = latent.shape[:2]
+        kv = self.kv_up(latent).view(batch, total, 2, self.num_key_value_heads, self.head_dim)
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+
+
+class FactoredKVAttention(RebuiltKVAttention):
     """Attention whose k and v projections are head tensors (Tucker or CP) with a shared hidden factor: the
     cache holds each one's hidden-mode coordinates (key slot: k's, value slot: v's), narrower than K and V,
     and every step decodes K and V from them, then rotates the keys."""
 
     def __init__(self, config, layer_idx: int, q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module, o_proj: nn.Module):
-        nn.Module.__init__(self)
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
+        super().__init__(config, layer_idx)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
-        self.rotary = None
 
     def keys_and_values(self, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         zk, zv = self.k_proj.encode(hidden_states).unsqueeze(1), self.v_proj.encode(hidden_states).unsqueeze(1)
@@ -278,7 +283,7 @@ def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-class LokiAttention(nn.Module):
+class LokiAttention(AttentionBase):
     """Top-k attention with keys scored in a PCA basis (Loki, Singhania et al. 2024, alg. 1).
 
     Per KV head g an orthonormal basis P_g (principal directions of the post-RoPE keys, strongest first):
@@ -288,13 +293,7 @@ class LokiAttention(nn.Module):
     """
 
     def __init__(self, config, layer_idx: int, q_proj, k_proj, v_proj, o_proj, rank: int, top_k: float):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
+        super().__init__(config, layer_idx)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.loki_basis = nn.Parameter(torch.zeros(self.num_key_value_heads, self.head_dim, self.head_dim))
         self.rank, self.top_k = rank, top_k
@@ -411,10 +410,10 @@ def head_tensor_projection(old: nn.Module, spec: dict) -> HeadTensorProjection:
 
 
 def link_rotary(model: nn.Module) -> None:
-    """Give each latent attention the model's rotary embedding without registering it twice."""
+    """Give each rebuilt-KV attention the model's rotary embedding without registering it twice."""
     for layer in model.model.layers:
-        if isinstance(layer.self_attn, LatentKVAttention):
-            object.__setattr__(layer.self_attn, "rotary", model.model.rotary_emb)  # also FactoredKVAttention
+        if isinstance(layer.self_attn, RebuiltKVAttention):
+            object.__setattr__(layer.self_attn, "rotary", model.model.rotary_emb)
 
 
 class SurgeryMixin:

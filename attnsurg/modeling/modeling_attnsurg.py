@@ -356,8 +356,12 @@ class LokiAttention(AttentionBase):
         key = torch.einsum("bgtd,gde->bgte", key, self.loki_basis)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        key, value = repeat_heads(key, groups), repeat_heads(value, groups)
         mask = key_mask(attention_mask, key.shape[2])
+        total = key.shape[2]
+        unmasked = mask is None or bool(mask.all())
+        if length == 1 and unmasked and self.recall is None and self.keep_counts(torch.tensor([total])) < total:
+            return self.o_proj(self.decode_step(query, key, value)), None
+        key, value = repeat_heads(key, groups), repeat_heads(value, groups)
         selected = self.selection(query, key, mask)
         if self.recall is not None:
             self.record_recall(query, key, mask, selected)
@@ -366,6 +370,22 @@ class LokiAttention(AttentionBase):
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(query.dtype)  # padded queries
         output = (weights @ value).transpose(1, 2).reshape(batch, length, -1)
         return self.o_proj(output), None
+
+
+    def decode_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """One new token: rank-r scores read a prefix of each cached key, only the top-k keys and values are
+        gathered (per query head, from its KV group without copying the cache), exact softmax over those."""
+        batch, d, groups = query.shape[0], self.head_dim, self.num_key_value_groups
+        q = query.view(batch, self.num_key_value_heads, groups, d)  # [B, G, per-group heads, d]
+        approx = torch.einsum("bgqr,bgsr->bgqs", q[..., : self.rank], key[..., : self.rank])
+        approx[..., -1] = float("inf")  # the current token
+        keep = int(self.keep_counts(torch.tensor([key.shape[2]]))[0])
+        index = approx.topk(keep, dim=-1).indices[..., None].expand(-1, -1, -1, -1, d)  # [B, G, q, k, d]
+        k_top = key[:, :, None].expand(-1, -1, groups, -1, -1).gather(3, index)
+        v_top = value[:, :, None].expand(-1, -1, groups, -1, -1).gather(3, index)
+        scores = torch.einsum("bgqd,bgqkd->bgqk", q, k_top) * self.scaling
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("bgqk,bgqkd->bgqd", weights, v_top).reshape(batch, 1, -1)
 
 
 def apply_surgery(model: nn.Module, surgery: dict) -> None:

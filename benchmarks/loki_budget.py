@@ -1,0 +1,104 @@
+"""Loki on the demo model: ppl and top-k recall over rank x top-k, and decode-attention speed vs dense.
+
+    python benchmarks/loki_budget.py [--ranks 8 16 32] [--top-k 128 256 512] [--windows 4] [--contexts 4096 16384]
+
+Quality: WINDOWS x 1024 tokens of wiki-sample's evaluation half, original in the same run; top-k as a
+count per query (128/256/512 = 1/8, 1/4, 1/2 of a window, Loki's convention); recall of the exact top-k on
+the first window. Speed: one new token against a cache filled with CONTEXT random tokens, for one
+attention layer and for the whole model, Loki (rank 32, top-k 1/4 of the context) against the original,
+median of repeated runs on this machine's CPU threads. Writes benchmarks/results/loki_budget.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from attnsurg.methods.loki import apply_loki, plan_loki, top_k_recall
+from common import prepare
+
+
+def filled_cache(model, context: int) -> DynamicCache:
+    """A cache holding ``context`` random keys and values per layer (timing does not depend on values)."""
+    config = model.config
+    cache = DynamicCache(config=config)
+    shape = (1, config.num_key_value_heads, context, config.head_dim)
+    for index in range(config.num_hidden_layers):
+        cache.update(torch.randn(shape), torch.randn(shape), index)
+    return cache
+
+
+@torch.inference_mode()
+def decode_seconds(model, context: int, whole_model: bool, repeats: int = 7) -> float:
+    """Median seconds of one new token's attention (layer 0) or forward (whole model) at ``context``."""
+    times = []
+    for _ in range(repeats):
+        cache = filled_cache(model, context)
+        token = torch.zeros(1, 1, dtype=torch.long)
+        position = torch.tensor([[context]])
+        if whole_model:
+            start = time.perf_counter()
+            model(input_ids=token, cache=cache, use_cache=True, position_ids=position)
+        else:
+            layer = model.model.layers[0].self_attn
+            hidden = torch.randn(1, 1, model.config.hidden_size)
+            embeddings = model.model.rotary_emb(hidden, position)
+            start = time.perf_counter()
+            layer(hidden_states=hidden, position_embeddings=embeddings, attention_mask=None, cache=cache)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--top-k", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--calib-tokens", type=int, default=4096)
+    parser.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384])
+    args = parser.parse_args()
+
+    setup = prepare(args.model, args.windows, args.calib_tokens)
+    attention_stats = [x for x, _ in setup.stats]
+    first_window = setup.tokens.ids[None, :1024]
+    rows = []
+    for rank in args.ranks:
+        for top_k in args.top_k:
+            plan = plan_loki(setup.anatomy, rank, top_k)
+            model = apply_loki(setup.model, setup.family, attention_stats, plan, setup.seq_len)
+            ppl = setup.ppl(model)
+            recall = top_k_recall(model, first_window)
+            rows.append({"rank": rank, "top_k": top_k, "ppl": ppl, "ppl_ratio": ppl / setup.original_ppl, "recall": recall})
+            print(f"rank {rank}, top-k {top_k}: x{ppl / setup.original_ppl:.3f}, recall {recall:.3f}", flush=True)
+    speed = []
+    for context in args.contexts:
+        loki = apply_loki(setup.model, setup.family, attention_stats, plan_loki(setup.anatomy, 32, context // 4), setup.seq_len)
+        for whole in (False, True):
+            dense_s, loki_s = decode_seconds(setup.model, context, whole), decode_seconds(loki, context, whole)
+            speed.append({"context": context, "scope": "model" if whole else "layer", "dense_s": dense_s,
+                          "loki_s": loki_s, "speedup": dense_s / loki_s})
+            print(f"context {context}, {'model' if whole else 'layer'}: dense {dense_s * 1e3:.2f} ms, "
+                  f"loki {loki_s * 1e3:.2f} ms, x{dense_s / loki_s:.2f}", flush=True)
+    print(f"\noriginal ppl {setup.original_ppl:.3f}\n")
+    print("| rank \\ top-k | " + " | ".join(str(k) for k in args.top_k) + " |")
+    print("|---" * (len(args.top_k) + 1) + "|")
+    for rank in args.ranks:
+        cells = [f"x{r['ppl_ratio']:.3f} ({r['recall']:.2f})" for r in rows if r["rank"] == rank]
+        print(f"| {rank} | " + " | ".join(cells) + " |")
+    print("\n| context | scope | dense ms | loki ms (r 32, k 1/4) | speedup |\n|---|---|---|---|---|")
+    for s in speed:
+        print(f"| {s['context']} | {s['scope']} | {s['dense_s'] * 1e3:.2f} | {s['loki_s'] * 1e3:.2f} | x{s['speedup']:.2f} |")
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
+    (results / "loki_budget.json").write_text(json.dumps({"original_ppl": setup.original_ppl, "rows": rows, "speed": speed}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

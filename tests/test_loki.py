@@ -120,3 +120,28 @@ def test_left_padding_changes_nothing(implementation):
         with_padding = model(padded, attention_mask=mask, position_ids=positions).logits[:, -1]
     assert torch.isfinite(with_padding).all()
     torch.testing.assert_close(with_padding, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_step_gathers_the_same_keys_as_the_general_path():
+    """The one-token fast path (top-k gather from the cache) equals the masked general path."""
+    from transformers import DynamicCache
+
+    from attnsurg.modeling.modeling_attnsurg import LokiAttention
+
+    model = loki_model(build_tiny("llama", VOCAB, num_key_value_heads=2), "llama", 4, 5)
+    ids = held_out()[:1, :24]
+
+    def last_logits(general: bool) -> torch.Tensor:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :-1], cache=cache, use_cache=True)
+            for attention in model.modules():
+                if isinstance(attention, LokiAttention):
+                    attention.recall = [] if general else None  # recording recall forces the general path
+            logits = model(ids[:, -1:], cache=cache, use_cache=True).logits[:, -1]
+        for attention in model.modules():
+            if isinstance(attention, LokiAttention):
+                attention.recall = None
+        return logits
+
+    torch.testing.assert_close(last_logits(general=False), last_logits(general=True), atol=1e-5, rtol=1e-5)

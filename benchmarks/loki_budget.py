@@ -21,16 +21,21 @@ import torch
 from transformers import DynamicCache
 
 from attnsurg.methods.loki import apply_loki, plan_loki, top_k_recall
+from attnsurg.modeling.modeling_attnsurg import LokiAttention
 from common import prepare
 
 
 def filled_cache(model, context: int) -> DynamicCache:
-    """A cache holding ``context`` random keys and values per layer (timing does not depend on values)."""
+    """A cache holding ``context`` random tokens per layer in the model's layout (Loki: scored prefix in the
+    key slot, the rest of the key and the value in the value slot); timing does not depend on values."""
     config = model.config
     cache = DynamicCache(config=config)
-    shape = (1, config.num_key_value_heads, context, config.head_dim)
+    d = config.head_dim
+    attention = model.model.layers[0].self_attn
+    widths = (attention.rank, 2 * d - attention.rank) if isinstance(attention, LokiAttention) else (d, d)
     for index in range(config.num_hidden_layers):
-        cache.update(torch.randn(shape), torch.randn(shape), index)
+        keys, values = (torch.randn(1, config.num_key_value_heads, context, w) for w in widths)
+        cache.update(keys, values, index)
     return cache
 
 

@@ -288,7 +288,8 @@ class LokiAttention(AttentionBase):
 
     Per KV head g an orthonormal basis P_g (principal directions of the post-RoPE keys, strongest first):
     queries and keys are rotated into it after RoPE, so q P . k P = q . k and the cache holds keys already
-    rotated. Each query scores every key with the first ``rank`` coordinates only, keeps the ``top_k`` best
+    rotated, their first ``rank`` coordinates in the key slot (contiguous, what scoring reads) and the rest
+    with the values in the value slot. Each query scores every key with the first ``rank`` coordinates only, keeps the ``top_k`` best
     (a count, or a fraction of its context; the current token always), and attends exactly over those.
     """
 
@@ -354,13 +355,18 @@ class LokiAttention(AttentionBase):
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         query = torch.einsum("bhtd,hde->bhte", query, repeat_heads(self.loki_basis.unsqueeze(0), groups)[0])
         key = torch.einsum("bgtd,gde->bgte", key, self.loki_basis)
+        # Cache layout: key slot = the scored prefix (first r coordinates, contiguous), value slot = the rest
+        # of the key followed by the value; the same values per token as a plain cache.
+        prefix, rest = key[..., : self.rank].contiguous(), torch.cat([key[..., self.rank :], value], dim=-1)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-        mask = key_mask(attention_mask, key.shape[2])
-        total = key.shape[2]
+            prefix, rest = cache.update(prefix, rest, self.layer_idx)
+        total = prefix.shape[2]
+        mask = key_mask(attention_mask, total)
         unmasked = mask is None or bool(mask.all())
         if length == 1 and unmasked and self.recall is None and self.keep_counts(torch.tensor([total])) < total:
-            return self.o_proj(self.decode_step(query, key, value)), None
+            return self.o_proj(self.decode_step(query, prefix, rest)), None
+        key = torch.cat([prefix, rest[..., : d - self.rank]], dim=-1)
+        value = rest[..., d - self.rank :]
         key, value = repeat_heads(key, groups), repeat_heads(value, groups)
         selected = self.selection(query, key, mask)
         if self.recall is not None:
@@ -371,21 +377,26 @@ class LokiAttention(AttentionBase):
         output = (weights @ value).transpose(1, 2).reshape(batch, length, -1)
         return self.o_proj(output), None
 
-
-    def decode_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """One new token: rank-r scores read a prefix of each cached key, only the top-k keys and values are
+    def decode_step(self, query: torch.Tensor, prefix: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+        """One new token: rank-r scores read only the cached prefixes, then the top-k keys and values are
         gathered (per query head, from its KV group without copying the cache), exact softmax over those."""
-        batch, d, groups = query.shape[0], self.head_dim, self.num_key_value_groups
+        batch, d, groups, r = query.shape[0], self.head_dim, self.num_key_value_groups, self.rank
         q = query.view(batch, self.num_key_value_heads, groups, d)  # [B, G, per-group heads, d]
-        approx = torch.einsum("bgqr,bgsr->bgqs", q[..., : self.rank], key[..., : self.rank])
+        approx = torch.einsum("bgqr,bgsr->bgqs", q[..., :r], prefix)
         approx[..., -1] = float("inf")  # the current token
-        keep = int(self.keep_counts(torch.tensor([key.shape[2]]))[0])
-        index = approx.topk(keep, dim=-1).indices[..., None].expand(-1, -1, -1, -1, d)  # [B, G, q, k, d]
-        k_top = key[:, :, None].expand(-1, -1, groups, -1, -1).gather(3, index)
-        v_top = value[:, :, None].expand(-1, -1, groups, -1, -1).gather(3, index)
+        keep = int(self.keep_counts(torch.tensor([prefix.shape[2]]))[0])
+        index = approx.topk(keep, dim=-1).indices  # [B, G, q, k]
+        rows = torch.arange(batch, device=q.device)[:, None, None, None]
+        kv_heads = torch.arange(self.num_key_value_heads, device=q.device)[None, :, None, None]
+
+        def gathered(cached: torch.Tensor) -> torch.Tensor:  # whole rows of [B, G, S, w] -> [B, G, q, k, w]
+            return cached[rows, kv_heads, index]
+
+        rest_top = gathered(rest)
+        k_top = torch.cat([gathered(prefix), rest_top[..., : d - r]], dim=-1)
         scores = torch.einsum("bgqd,bgqkd->bgqk", q, k_top) * self.scaling
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.einsum("bgqk,bgqkd->bgqd", weights, v_top).reshape(batch, 1, -1)
+        return torch.einsum("bgqk,bgqkd->bgqd", weights, rest_top[..., d - r :]).reshape(batch, 1, -1)
 
 
 def apply_surgery(model: nn.Module, surgery: dict) -> None:

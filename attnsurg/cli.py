@@ -88,6 +88,22 @@ TrustRemoteCode = Annotated[
 ]
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON record instead of a table.")]
+# Options every surgery command (convert, compress) shares.
+CalibDataset = Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")]
+CalibText = Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")]
+CalibTokens = Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")]
+EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
+Seed = Annotated[int, typer.Option("--seed")]
+
+
+def calibration_from(dataset: str, text: Path | None, tokens: int):
+    """The Calibration request the --calib-* options describe (always the calibration part)."""
+    from attnsurg.recipe import Calibration, TextData
+
+    data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")
+    return Calibration(data=data, tokens=tokens)
 
 
 # ---------------------------------------------------------------------------------------------- info
@@ -271,32 +287,31 @@ def convert(
         str,
         typer.Option("--rope-layout", help="standard (every engine) or flexible (any frequency, repeats; transformers only)."),
     ] = "standard",
-    calib_dataset: Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")] = "wiki-sample",
-    calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")] = None,
-    calib_tokens: Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")] = 4096,
+    calib_dataset: CalibDataset = "wiki-sample",
+    calib_text: CalibText = None,
+    calib_tokens: CalibTokens = 4096,
     unweighted: Annotated[bool, typer.Option("--unweighted", help="Plain PCA for the latent (no consumer weighting).")] = False,
     refine_steps: Annotated[
         int, typer.Option("--refine-steps", help="Adam steps per layer against the original layer's output (0: closed form only).")
     ] = 20,
     refine_tokens: Annotated[int, typer.Option("--refine-tokens", help="Calibration tokens used for refinement.")] = 2048,
     refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate.")] = 1e-3,
-    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")] = 2048,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    eval_tokens: EvalTokens = 2048,
+    dry_run: DryRun = False,
+    overwrite: Overwrite = False,
+    seed: Seed = 0,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Convert attention to another form and write a new checkpoint (GQA/MHA -> MLA)."""
     from attnsurg.convert import plan_rows, run_convert
-    from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
+    from attnsurg.recipe import ConvertMLA, ModelRef
 
     if to != "mla":
         raise UserError(f"--to {to} is not supported; available: mla")
     if output is None and not dry_run:
         raise UserError("missing --output/-o: the directory to write the converted checkpoint to")
-    calibration_data = TextData(text=calib_text, part="calib") if calib_text else TextData(dataset=calib_dataset, part="calib")
     request = ConvertMLA(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
         output=output or Path("."),
@@ -308,7 +323,7 @@ def convert(
         refine_steps=refine_steps,
         refine_tokens=refine_tokens,
         refine_lr=refine_lr,
-        calibration=Calibration(data=calibration_data, tokens=calib_tokens),
+        calibration=calibration_from(calib_dataset, calib_text, calib_tokens),
         eval_tokens=eval_tokens,
         overwrite=overwrite,
         seed=seed,
@@ -380,13 +395,13 @@ def compress(
         Optional[bool],
         typer.Option("--weighted/--unweighted", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm, tucker, cp."),
     ] = None,
-    calib_dataset: Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")] = "wiki-sample",
-    calib_text: Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")] = None,
-    calib_tokens: Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")] = 4096,
-    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")] = 2048,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    calib_dataset: CalibDataset = "wiki-sample",
+    calib_text: CalibText = None,
+    calib_tokens: CalibTokens = 4096,
+    eval_tokens: EvalTokens = 2048,
+    dry_run: DryRun = False,
+    overwrite: Overwrite = False,
+    seed: Seed = 0,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
@@ -394,21 +409,20 @@ def compress(
     """Compress attention projections (low rank or tensor-decomposed) and write a new checkpoint."""
     from attnsurg.compress import projection_flops, rank_rows, run_compress
     from attnsurg.methods.lowrank import parse_targets
-    from attnsurg.recipe import Calibration, CompressHeadTensor, CompressLoki, CompressLowRank, ModelRef, TextData
+    from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank, ModelRef
 
     methods = LOW_RANK_METHODS + TENSOR_METHODS + SPARSE_METHODS
     if method not in methods:
         raise UserError(f"--method {method} is not available; choose from {', '.join(methods)}")
     if output is None and not dry_run:
         raise UserError("missing --output/-o: the directory to write the compressed checkpoint to")
-    calibration_data = TextData(text=calib_text, part="calib") if calib_text else TextData(dataset=calib_dataset, part="calib")
     common = dict(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
         output=output or Path("."),
         method=method,
         targets=parse_targets(targets),
         ratio=ratio,
-        calibration=Calibration(data=calibration_data, tokens=calib_tokens),
+        calibration=calibration_from(calib_dataset, calib_text, calib_tokens),
         eval_tokens=eval_tokens,
         overwrite=overwrite,
         seed=seed,

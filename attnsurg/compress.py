@@ -9,29 +9,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import yaml
-from transformers import set_seed
-
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
-from attnsurg.io.save import check_output_path, write_checkpoint
-from attnsurg.methods.headtensor import HeadTensorPlan, compress_head_tensor, plan_head_tensor
-from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
-from attnsurg.modeling import MODELING_FILE
-from attnsurg.pipeline import (
-    base_model_id,
-    command_line,
-    load_source,
-    peak_memory_gb,
-    perplexity_before_after,
-    source_windows,
-    to_source_dtype,
+from attnsurg.methods.headtensor import (
+    HeadTensorPlan,
+    compress_head_tensor,
+    plan_head_tensor,
 )
 from attnsurg.methods.loki import LokiPlan, apply_loki, plan_loki
+from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
+from attnsurg.modeling import MODELING_FILE
+from attnsurg.pipeline import base_model_id, command_line, finish_surgery, start_surgery
 from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank
 
 Plan = LowRankPlan | HeadTensorPlan
@@ -94,12 +85,8 @@ def run_compress(request: Request, dry_run: bool = False) -> CompressReport:
     report = CompressReport(plan, anatomy)
     if dry_run:
         return report
-    check_output_path(request.output, request.overwrite)
-    set_seed(request.seed)
-    start = time.perf_counter()
-    family = family_for_surgery(anatomy.model_type)
-    model, tokenizer = load_source(request.model, source)
-    windows = source_windows(tokenizer, request.calibration, anatomy)
+    surgery = start_surgery(request, source, anatomy)
+    model, family, windows = surgery.model, surgery.family, surgery.windows
     attentions = attention_layers(model, family)
     stats = input_statistics(model, attentions + [getattr(a, PROJECTIONS["o"]) for a in attentions], windows)
     started = time.perf_counter()
@@ -114,17 +101,9 @@ def run_compress(request: Request, dry_run: bool = False) -> CompressReport:
     report.factorize_seconds = time.perf_counter() - started
     if not isinstance(plan, LokiPlan):
         result_model, report.plan, report.errors = result.model, result.plan, result.errors
-    if request.eval_tokens:
-        report.ppl_before, report.ppl_after = perplexity_before_after(
-            model, result_model, tokenizer, request.calibration, request.eval_tokens, anatomy
-        )
-    to_source_dtype(result_model, anatomy)
-    report.seconds = time.perf_counter() - start
-    report.peak_memory_gb = peak_memory_gb()
-    recipe = yaml.safe_dump(request.model_dump(mode="json"), sort_keys=False)
-    extra = {"attnsurg_recipe.yaml": recipe, MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
-    card = loki_card(request, report) if isinstance(plan, LokiPlan) else lowrank_card(request, report)
-    report.written = str(write_checkpoint(result_model, tokenizer, request.output, card, request.overwrite, extra_files=extra))
+    card = (lambda: loki_card(request, report)) if isinstance(plan, LokiPlan) else (lambda: lowrank_card(request, report))
+    modeling = {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
+    finish_surgery(surgery, result_model, request, anatomy, report, card, extra_files=modeling)
     return report
 
 

@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-
-import yaml
-from transformers import set_seed
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import family_for_surgery
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
-from attnsurg.io.save import check_output_path, write_checkpoint
 from attnsurg.methods.mla import MLAPlan, convert, plan_mla
-from attnsurg.pipeline import (
-    base_model_id,
-    command_line,
-    load_source,
-    peak_memory_gb,
-    perplexity_before_after,
-    source_windows,
-    to_source_dtype,
-)
+from attnsurg.pipeline import base_model_id, command_line, finish_surgery, start_surgery
 from attnsurg.recipe import ConvertMLA
 
 
@@ -78,30 +64,14 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
     report = ConvertReport(plan, anatomy)
     if dry_run:
         return report
-    check_output_path(request.output, request.overwrite)
-    set_seed(request.seed)
-    start = time.perf_counter()
-    family = family_for_surgery(anatomy.model_type)
-    model, tokenizer = load_source(request.model, source)
-    windows = source_windows(tokenizer, request.calibration, anatomy)
+    surgery = start_surgery(request, source, anatomy)
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
         result = convert(
-            model, family, windows, plan, request.weighted,
+            surgery.model, surgery.family, surgery.windows, plan, request.weighted,
             request.refine_steps, request.refine_tokens, request.refine_lr, progress=advance,
         )
-    converted, report.plan, report.layer_errors = result.model, result.plan, result.layer_errors
-    if request.eval_tokens:
-        report.ppl_before, report.ppl_after = perplexity_before_after(
-            model, converted, tokenizer, request.calibration, request.eval_tokens, anatomy
-        )
-    to_source_dtype(converted, anatomy)
-    report.seconds = time.perf_counter() - start
-    report.peak_memory_gb = peak_memory_gb()
-    card = mla_card(request, report)
-    recipe = yaml.safe_dump(request.model_dump(mode="json"), sort_keys=False)
-    report.written = str(
-        write_checkpoint(converted, tokenizer, request.output, card, request.overwrite, extra_files={"attnsurg_recipe.yaml": recipe})
-    )
+    report.plan, report.layer_errors = result.plan, result.layer_errors
+    finish_surgery(surgery, result.model, request, anatomy, report, lambda: mla_card(request, report))
     return report
 
 

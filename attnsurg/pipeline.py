@@ -5,15 +5,22 @@ from __future__ import annotations
 import resource
 import shlex
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+import yaml
+from transformers import PreTrainedModel, set_seed
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.calibrate import calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.io.card import CardInfo
 from attnsurg.io.load import DTYPES, load_model, load_tokenizer
+from attnsurg.io.save import check_output_path, write_checkpoint
 from attnsurg.recipe import Calibration, ModelRef, TextData
 
 
@@ -59,3 +66,42 @@ def to_source_dtype(model: PreTrainedModel, anatomy: AttentionAnatomy) -> PreTra
 def base_model_id(ref: str) -> str | None:
     """The hub id for the card's ``base_model``, when the reference looks like one."""
     return ref if "/" in ref and not ref.startswith((".", "/", "~")) else None
+
+
+@dataclass
+class Surgery:
+    """A surgery under way: the source loaded in float32, its tokenizer and calibration windows."""
+
+    family: Family
+    model: PreTrainedModel
+    tokenizer: object
+    windows: torch.Tensor
+    started: float
+
+
+def start_surgery(request, source, anatomy: AttentionAnatomy) -> Surgery:
+    """Refuse an existing output first (nothing is loaded for a request that cannot be written), seed, load
+    the source and cut the calibration windows."""
+    check_output_path(request.output, request.overwrite)
+    set_seed(request.seed)
+    started = time.perf_counter()
+    family = family_for_surgery(anatomy.model_type)
+    model, tokenizer = load_source(request.model, source)
+    return Surgery(family, model, tokenizer, source_windows(tokenizer, request.calibration, anatomy), started)
+
+
+def finish_surgery(
+    surgery: Surgery, result: PreTrainedModel, request, anatomy: AttentionAnatomy, report,
+    card: Callable[[], CardInfo], extra_files: dict[str, str] | None = None,
+) -> None:
+    """Score before/after on the same windows, cast to the source dtype, fill the report's timing and
+    write the checkpoint with its card and the recipe that made it."""
+    if request.eval_tokens:
+        report.ppl_before, report.ppl_after = perplexity_before_after(
+            surgery.model, result, surgery.tokenizer, request.calibration, request.eval_tokens, anatomy
+        )
+    to_source_dtype(result, anatomy)
+    report.seconds = time.perf_counter() - surgery.started
+    report.peak_memory_gb = peak_memory_gb()
+    files = {"attnsurg_recipe.yaml": yaml.safe_dump(request.model_dump(mode="json"), sort_keys=False), **(extra_files or {})}
+    report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, card(), request.overwrite, extra_files=files))

@@ -39,11 +39,17 @@ def assemble_factorized(
             del state[key]
         state.update({f"{path}.{name}": tensor for name, tensor in tensors.items()})
     state.update(added or {})
-    state = {k: v.to(source.dtype) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    return load_complete_state(model, state, source.dtype)
+
+
+def load_complete_state(model: PreTrainedModel, state: dict[str, torch.Tensor], dtype: torch.dtype) -> PreTrainedModel:
+    """Load ``state`` (cast to ``dtype``) into a freshly built model; every tensor must find its place and
+    every parameter must be given, except a tied ``lm_head``."""
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    tied = model.config.tie_word_embeddings
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"assembly mismatch: missing {missing}, unexpected {unexpected}")
-    if config.tie_word_embeddings:
+    if tied:
         model.tie_weights()
     return model.eval()

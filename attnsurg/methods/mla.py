@@ -40,6 +40,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
+from attnsurg.methods.factorized import load_complete_state
 from attnsurg.methods import MethodSpec, register
 
 # Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
@@ -399,14 +400,7 @@ def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: lis
         prefix = f"{family.layers_path}.{index}.{family.attention_attr}."
         o_weight = source.get_submodule(prefix + "o_proj").weight
         state.update({prefix + k: v for k, v in attention_state(w, o_weight, plan.query_bias).items()})
-    state = {k: v.to(source.dtype) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(f"MLA assembly mismatch: missing {missing}, unexpected {unexpected}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+    return load_complete_state(model, state, source.dtype)
 
 
 @dataclass

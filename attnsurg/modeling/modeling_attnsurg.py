@@ -362,9 +362,9 @@ class LokiAttention(AttentionBase):
             prefix, rest = cache.update(prefix, rest, self.layer_idx)
         total = prefix.shape[2]
         mask = key_mask(attention_mask, total)
-        unmasked = mask is None or bool(mask.all())
-        if length == 1 and unmasked and self.recall is None and self.keep_counts(torch.tensor([total])) < total:
-            return self.o_proj(self.decode_step(query, prefix, rest)), None
+        keep = int(self.keep_counts(torch.tensor([total]))[0])
+        if length == 1 and keep < total and self.recall is None and (mask is None or bool(mask.all())):
+            return self.o_proj(self.decode_step(query, prefix, rest, keep)), None
         key = torch.cat([prefix, rest[..., : d - self.rank]], dim=-1)
         value = rest[..., d - self.rank :]
         key, value = repeat_heads(key, groups), repeat_heads(value, groups)
@@ -377,14 +377,13 @@ class LokiAttention(AttentionBase):
         output = (weights @ value).transpose(1, 2).reshape(batch, length, -1)
         return self.o_proj(output), None
 
-    def decode_step(self, query: torch.Tensor, prefix: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, query: torch.Tensor, prefix: torch.Tensor, rest: torch.Tensor, keep: int) -> torch.Tensor:
         """One new token: rank-r scores read only the cached prefixes, then the top-k keys and values are
-        gathered (per query head, from its KV group without copying the cache), exact softmax over those."""
+        gathered by row (per query head, from its KV group), exact softmax over those."""
         batch, d, groups, r = query.shape[0], self.head_dim, self.num_key_value_groups, self.rank
         q = query.view(batch, self.num_key_value_heads, groups, d)  # [B, G, per-group heads, d]
         approx = torch.einsum("bgqr,bgsr->bgqs", q[..., :r], prefix)
         approx[..., -1] = float("inf")  # the current token
-        keep = int(self.keep_counts(torch.tensor([prefix.shape[2]]))[0])
         index = approx.topk(keep, dim=-1).indices  # [B, G, q, k]
         rows = torch.arange(batch, device=q.device)[:, None, None, None]
         kv_heads = torch.arange(self.num_key_value_heads, device=q.device)[None, :, None, None]

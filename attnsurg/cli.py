@@ -96,6 +96,9 @@ EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Tokens of the ev
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
 Seed = Annotated[int, typer.Option("--seed")]
+PrintRecipe = Annotated[
+    bool, typer.Option("--print-recipe", help="Print the YAML recipe this command corresponds to (with --dry-run: and stop).")
+]
 
 
 def calibration_from(dataset: str, text: Path | None, tokens: int):
@@ -298,6 +301,7 @@ def convert(
     refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate.")] = 1e-3,
     eval_tokens: EvalTokens = 2048,
     dry_run: DryRun = False,
+    print_recipe: PrintRecipe = False,
     overwrite: Overwrite = False,
     seed: Seed = 0,
     json_output: JsonFlag = False,
@@ -305,8 +309,7 @@ def convert(
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Convert attention to another form and write a new checkpoint (GQA/MHA -> MLA)."""
-    from attnsurg.convert import plan_rows, run_convert
-    from attnsurg.recipe import ConvertMLA, ModelRef
+    from attnsurg.recipe import ConvertMLA, ModelRef, Recipe
 
     if to != "mla":
         raise UserError(f"--to {to} is not supported; available: mla")
@@ -328,12 +331,17 @@ def convert(
         overwrite=overwrite,
         seed=seed,
     )
-    report = run_convert(request, dry_run=dry_run)
+    execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)
+
+
+def print_convert_report(model: str, report, json_output: bool) -> None:
+    from attnsurg.convert import plan_rows
+
     rows = plan_rows(report.plan, report.anatomy)
     if json_output:
         record = {"plan": rows, "written": report.written, "seconds": report.seconds,
                   "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-                  "layer_errors": report.layer_errors}
+                  "layer_errors": report.layer_errors, "heal": heal_record(report.heal)}
         print(json.dumps(record, indent=2))
         return
     title = f"MLA plan for {model}, {report.plan.layout} RoPE layout (identical in every layer)"
@@ -351,8 +359,31 @@ def convert(
     if report.mean_layer_error:
         before, after = report.mean_layer_error
         out.print(f"mean relative layer error against the original residual stream: {before:.4f} -> {after:.4f} (refinement)")
+    print_heal_summary(report.heal)
+    print_ppl(report)
+
+
+def print_ppl(report) -> None:
     if report.ppl_before is not None:
         out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
+
+
+def heal_record(heal) -> dict | None:
+    if heal is None:
+        return None
+    return {"steps": heal.steps, "tokens": heal.tokens, "resumed_from": heal.resumed_from, "seconds": heal.seconds,
+            "tokens_per_second": heal.tokens_per_second, "trainable_parameters": heal.trainable_parameters,
+            "losses": heal.losses, "evals": heal.evals}
+
+
+def print_heal_summary(heal) -> None:
+    if heal is None:
+        return
+    first, last = heal.losses[0][1] if heal.losses else float("nan"), heal.losses[-1][1] if heal.losses else float("nan")
+    resumed = f", resumed from step {heal.resumed_from}" if heal.resumed_from else ""
+    out.print(f"healed {heal.steps} steps ({heal.tokens:,} tokens{resumed}) in {heal.seconds:.1f} s, "
+              f"{heal.tokens_per_second:,.0f} tokens/s, {heal.trainable_parameters:,} trainable parameters; "
+              f"distillation loss {first:.4f} -> {last:.4f}")
 
 
 # ------------------------------------------------------------------------------------------ compress
@@ -400,6 +431,7 @@ def compress(
     calib_tokens: CalibTokens = 4096,
     eval_tokens: EvalTokens = 2048,
     dry_run: DryRun = False,
+    print_recipe: PrintRecipe = False,
     overwrite: Overwrite = False,
     seed: Seed = 0,
     json_output: JsonFlag = False,
@@ -407,9 +439,8 @@ def compress(
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Compress attention projections (low rank or tensor-decomposed) and write a new checkpoint."""
-    from attnsurg.compress import projection_flops, rank_rows, run_compress
     from attnsurg.methods.lowrank import parse_targets
-    from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank, ModelRef
+    from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank, ModelRef, Recipe
 
     methods = LOW_RANK_METHODS + TENSOR_METHODS + SPARSE_METHODS
     if method not in methods:
@@ -436,8 +467,7 @@ def compress(
         common.pop("targets"), common.pop("ratio")
         parsed = parse_top_k(top_k) if top_k is not None else None
         request = CompressLoki(**common, rank=rank, top_k=parsed, basis=basis)
-        report = run_compress(request, dry_run=dry_run)
-        print_loki_report(model, report, json_output)
+        execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)
         return
     if top_k is not None or basis != "post-rope":
         raise UserError(f"--top-k and --basis are for --method loki, not {method}")
@@ -453,7 +483,12 @@ def compress(
         if ranks is not None:
             raise UserError(f"--ranks is for tucker; {method} takes one rank: --rank R")
         request = CompressLowRank(**common, rank=rank, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
-    report = run_compress(request, dry_run=dry_run)
+    execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)
+
+
+def print_compress_report(model: str, report, dry_run: bool, json_output: bool) -> None:
+    from attnsurg.compress import projection_flops, rank_rows
+
     plan = report.plan
     rows = rank_rows(plan)
     flops = projection_flops(plan)
@@ -461,7 +496,8 @@ def compress(
         record = {"plan": rank_rows(plan, labels=False), "kept_fraction": plan.kept_fraction, "params": [plan.params_before(), plan.params_after()],
                   "projection_flops_per_token": list(flops), "kv_values_per_token": [report.anatomy.kv_values_per_token, plan.kv_values_after()],
                   "written": report.written, "seconds": report.seconds, "factorize_seconds": report.factorize_seconds,
-                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after}
+                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+                  "heal": heal_record(report.heal)}
         print(json.dumps(record, indent=2))
         return
     out.print(lowrank_plan_table(model, plan, rows, dry_run))
@@ -473,14 +509,15 @@ def compress(
     if report.written:
         out.print(f"wrote {report.written} in {report.seconds:.1f} s (factorization {report.factorize_seconds:.1f} s), "
                   f"peak memory {report.peak_memory_gb:.2f} GB")
-    if report.ppl_before is not None:
-        out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
+    print_heal_summary(report.heal)
+    print_ppl(report)
 
 
 def print_loki_report(model: str, report, json_output: bool) -> None:
     plan = report.plan
     record = {"rank": plan.rank, "top_k": plan.top_k, "basis": plan.basis, "written": report.written,
-              "seconds": report.seconds, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after}
+              "seconds": report.seconds, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+              "heal": heal_record(report.heal)}
     if json_output:
         print(json.dumps(record, indent=2))
         return
@@ -489,8 +526,8 @@ def print_loki_report(model: str, report, json_output: bool) -> None:
               f"coordinates ({plan.basis} basis) and attends over the top {top_k}")
     if report.written:
         out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
-    if report.ppl_before is not None:
-        out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
+    print_heal_summary(report.heal)
+    print_ppl(report)
 
 
 def reject_options(method: str, given: dict[str, bool]) -> None:
@@ -534,6 +571,194 @@ def lowrank_plan_table(model: str, plan, rows: list[dict], dry_run: bool) -> Tab
         cells = [first[n] for n in names]
         table.add_row(span, *cells, f"{first['params_before']:,} -> {first['params_after']:,}")
     return table
+
+
+# ------------------------------------------------------------------------------------ recipes, run
+def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_output: bool) -> None:
+    """Run a recipe (what every surgery command does) and print its report."""
+    from attnsurg.io.recipe_file import dump_recipe
+    from attnsurg.run import run_recipe
+
+    if print_recipe:
+        print(dump_recipe(recipe), end="")
+        if dry_run:
+            return
+    report = run_recipe(recipe, dry_run=dry_run, overwrite=overwrite)
+    print_report(recipe, report, dry_run, json_output)
+
+
+def print_report(recipe, report, dry_run: bool, json_output: bool) -> None:
+    from attnsurg.convert import ConvertReport
+    from attnsurg.methods.loki import LokiPlan
+    from attnsurg.run import HealRunReport
+
+    model = recipe.model.ref
+    if isinstance(report, ConvertReport):
+        print_convert_report(model, report, json_output)
+    elif isinstance(report, HealRunReport):
+        print_heal_report(recipe, report, dry_run, json_output)
+    elif isinstance(report.plan, LokiPlan):
+        print_loki_report(model, report, json_output)
+    else:
+        print_compress_report(model, report, dry_run, json_output)
+
+
+@app.command()
+@user_errors
+def run(
+    recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file, or a shipped recipe's name (see `attnsurg recipe list`).")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of the recipe's output.")] = None,
+    dry_run: DryRun = False,
+    overwrite: Overwrite = False,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Run a YAML recipe: surgery, optional healing, evaluation, checkpoint."""
+    from attnsurg.io.recipe_file import load_recipe
+    from attnsurg.run import check_permissions
+
+    recipe = load_recipe(recipe_path)
+    if output is not None:
+        recipe = recipe.model_copy(update={"output": output})
+    check_permissions(recipe, trust_remote_code, allow_pickle)
+    execute(recipe, dry_run, overwrite, print_recipe=False, json_output=json_output)
+
+
+recipe_app = typer.Typer(help="Check recipes and list the ones that ship with attnsurg.", no_args_is_help=True)
+app.add_typer(recipe_app, name="recipe")
+
+
+@recipe_app.command("validate")
+@user_errors
+def recipe_validate(
+    paths: Annotated[list[Path], typer.Argument(metavar="RECIPE...", help="Recipe files or shipped names.")],
+) -> None:
+    """Check recipes against the schema (unknown keys, types, methods) without running them."""
+    from attnsurg.io.recipe_file import load_recipe, resolve_recipe
+
+    for path in paths:
+        recipe = load_recipe(path)
+        kinds = " -> ".join(recipe_step_label(step) for step in recipe.steps)
+        out.print(f"{resolve_recipe(path)}: ok ({recipe.model.ref}: {kinds} -> {recipe.output})", highlight=False)
+
+
+def recipe_step_label(step) -> str:
+    from attnsurg.recipe import step_kind
+
+    kind = step_kind(step)
+    settings = getattr(step, kind)
+    if kind == "convert":
+        budget = f"kv_budget {settings.kv_budget}" if settings.kv_budget is not None else f"kv_rank {settings.kv_rank}"
+        return f"convert to mla ({budget})"
+    if kind == "compress":
+        budget = {name: getattr(settings, name, None) for name in ("ratio", "rank", "ranks", "top_k")}
+        shown = ", ".join(f"{name} {value}" for name, value in budget.items() if value is not None)
+        latent = ", k/v latent" if getattr(settings, "kv_latent", False) else ""
+        return f"compress {settings.method} ({shown or 'default budget'}{latent})"
+    return f"heal ({settings.tokens:,} tokens)"
+
+
+@recipe_app.command("list")
+def recipe_list(json_output: JsonFlag = False) -> None:
+    """The recipes that ship in recipes/: name, what they do, and their steps."""
+    from attnsurg.io.recipe_file import SHIPPED_DIR, load_recipe, shipped_recipes
+
+    rows = []
+    for path in shipped_recipes():
+        recipe = load_recipe(path)
+        rows.append({"name": path.stem, "description": recipe.description, "model": recipe.model.ref,
+                     "steps": " -> ".join(recipe_step_label(step) for step in recipe.steps), "path": str(path)})
+    if json_output:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        out.print(f"no shipped recipes found in {SHIPPED_DIR}")
+        return
+    table = Table(title=f"Shipped recipes ({SHIPPED_DIR}); run one with `attnsurg run NAME -o OUT`", title_justify="left")
+    for column in ("name", "description", "model", "steps"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], row["description"], row["model"], row["steps"])
+    out.print(table)
+
+
+# ---------------------------------------------------------------------------------------------- heal
+@app.command()
+@user_errors
+def heal(
+    model: Annotated[str, typer.Argument(help="The operated checkpoint (the student).")],
+    teacher: Annotated[str, typer.Option("--teacher", help="The original model the student was made from.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
+    dataset: Annotated[str, typer.Option("--dataset", help="Built-in dataset; its calibration part is used.")] = "wiki-sample",
+    text: Annotated[Optional[Path], typer.Option("--text", help="A UTF-8 file to train on instead (used whole).")] = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="Training tokens (the budget).")] = 100_000,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training window.")] = 512,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per micro-batch (per process).")] = 4,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")] = 1,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).")] = 2e-4,
+    schedule: Annotated[str, typer.Option("--schedule", help="cosine, linear or constant (after warmup).")] = "cosine",
+    warmup: Annotated[float, typer.Option("--warmup", help="Fraction of the steps spent warming up.")] = 0.05,
+    kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of KL(teacher || student).")] = 1.0,
+    lm_weight: Annotated[float, typer.Option("--lm-weight", help="Weight of the next-token loss.")] = 0.0,
+    temperature: Annotated[float, typer.Option("--temperature", help="Distillation temperature.")] = 1.0,
+    train: Annotated[str, typer.Option("--train", help="attention (the new or changed attention parameters) or all.")] = "attention",
+    eval_every: Annotated[int, typer.Option("--eval-every", help="Held-out ppl every N steps (0: only at the end).")] = 0,
+    save_every: Annotated[int, typer.Option("--save-every", help="Save resumable state every N steps.")] = 25,
+    mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="auto (bf16 on a GPU), no, bf16, fp16.")] = "auto",
+    calib_dataset: CalibDataset = "wiki-sample",
+    eval_tokens: EvalTokens = 2048,
+    dry_run: DryRun = False,
+    print_recipe: PrintRecipe = False,
+    overwrite: Overwrite = False,
+    seed: Seed = 0,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Heal an operated model by distillation from the original (KL to its logits), with accelerate.
+
+    Interrupted runs resume from OUTPUT.heal-state when started again with the same settings."""
+    from attnsurg.recipe import Calibration, Evaluation, HealSettings, HealStep, ModelRef, Recipe, TextData
+
+    if output is None and not dry_run:
+        raise UserError("missing --output/-o: the directory to write the healed checkpoint to")
+    data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")
+    settings = HealSettings(
+        teacher=ModelRef(ref=teacher, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
+        data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+        schedule=schedule, warmup=warmup, kl_weight=kl_weight, lm_weight=lm_weight, temperature=temperature,
+        train=train, eval_every=eval_every, save_every=save_every, mixed_precision=mixed_precision,
+    )
+    recipe = Recipe(
+        model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
+        output=output or Path("."),
+        steps=[HealStep(heal=settings)],
+        calibration=Calibration(data=TextData(dataset=calib_dataset, part="calib")),
+        eval=Evaluation(tokens=eval_tokens),
+        seed=seed,
+    )
+    execute(recipe, dry_run, overwrite, print_recipe, json_output)
+
+
+def print_heal_report(recipe, report, dry_run: bool, json_output: bool) -> None:
+    settings = recipe.heal
+    if json_output:
+        record = {"written": report.written, "seconds": report.seconds, "peak_memory_gb": report.peak_memory_gb,
+                  "ppl_teacher": report.ppl_teacher, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+                  "heal": heal_record(report.heal)}
+        print(json.dumps(record, indent=2))
+        return
+    if dry_run:
+        out.print(f"heal plan: {recipe.model.ref} distilled from {settings.teacher.ref} on {settings.tokens:,} tokens "
+                  f"(windows of {settings.seq_len}, batch {settings.batch_size} x {settings.grad_accum} accumulation, "
+                  f"lr {settings.lr} {settings.schedule}), training {settings.train}; writes {recipe.output}")
+        return
+    out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
+    print_heal_summary(report.heal)
+    if report.ppl_before is not None:
+        out.print(f"ppl teacher {report.ppl_teacher:.3f}; student {report.ppl_before:.3f} -> {report.ppl_after:.3f} "
+                  f"(x{report.ppl_before / report.ppl_teacher:.3f} -> x{report.ppl_after / report.ppl_teacher:.3f} of the teacher)")
 
 
 # -------------------------------------------------------------------------------------------- assets

@@ -13,6 +13,7 @@ from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.info import inspect_model
+from attnsurg.heal import HealReport
 from attnsurg.io.card import CardInfo
 from attnsurg.methods.headtensor import (
     HeadTensorPlan,
@@ -22,8 +23,8 @@ from attnsurg.methods.headtensor import (
 from attnsurg.methods.loki import LokiPlan, apply_loki, plan_loki
 from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
 from attnsurg.modeling import MODELING_FILE
-from attnsurg.pipeline import base_model_id, command_line, finish_surgery, start_surgery
-from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank
+from attnsurg.pipeline import base_model_id, command_line, finish_surgery, healing_note, start_surgery
+from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank, Recipe
 
 Plan = LowRankPlan | HeadTensorPlan
 Request = CompressLowRank | CompressHeadTensor | CompressLoki
@@ -39,6 +40,7 @@ class CompressReport:
     peak_memory_gb: float = 0.0
     ppl_before: float | None = None
     ppl_after: float | None = None
+    heal: HealReport | None = None
     errors: list[float] = field(default_factory=list)
 
 
@@ -80,7 +82,8 @@ def plan_request(request: Request):
     return source, anatomy, plan
 
 
-def run_compress(request: Request, dry_run: bool = False) -> CompressReport:
+def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None = None) -> CompressReport:
+    """Compress (and heal, when ``recipe`` has a heal step); with ``dry_run`` only plan."""
     source, anatomy, plan = plan_request(request)
     report = CompressReport(plan, anatomy)
     if dry_run:
@@ -103,7 +106,7 @@ def run_compress(request: Request, dry_run: bool = False) -> CompressReport:
         result_model, report.plan, report.errors = result.model, result.plan, result.errors
     card = (lambda: loki_card(request, report)) if isinstance(plan, LokiPlan) else (lambda: lowrank_card(request, report))
     modeling = {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
-    finish_surgery(surgery, result_model, request, anatomy, report, card, extra_files=modeling)
+    finish_surgery(surgery, result_model, request, anatomy, report, card, extra_files=modeling, recipe=recipe)
     return report
 
 
@@ -128,7 +131,7 @@ def loki_card(request: CompressLoki, report: CompressReport) -> CardInfo:
         details=[
             f"rank {plan.rank} of head dim {plan.head_dim}; top-k {top_k} (the current token always kept); "
             f"{plan.basis} key basis",
-            f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; no healing",
+            f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; " + healing_note(report),
         ],
         figures=figures,
     )
@@ -198,7 +201,7 @@ def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
             budget_details(request, plan),
             f"targets: {', '.join(PROJECTIONS[t] for t in plan.targets)}"
             + ("; fitted to the whitened calibration inputs" if tensor else "") + f"; consumer-weighted: {plan.weighted}",
-            f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; no healing",
+            f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; " + healing_note(report),
         ],
         figures=figures,
         sections={"Ranks per module": rank_table(plan)},

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.info import inspect_model
+from attnsurg.heal import HealReport
 from attnsurg.io.card import CardInfo
 from attnsurg.methods.mla import MLAPlan, convert, plan_mla
-from attnsurg.pipeline import base_model_id, command_line, finish_surgery, start_surgery
-from attnsurg.recipe import ConvertMLA
+from attnsurg.pipeline import base_model_id, command_line, finish_surgery, healing_note, start_surgery
+from attnsurg.recipe import ConvertMLA, Recipe
 
 
 @dataclass
@@ -22,6 +23,7 @@ class ConvertReport:
     peak_memory_gb: float = 0.0
     ppl_before: float | None = None
     ppl_after: float | None = None
+    heal: HealReport | None = None
     layer_errors: list[tuple[float, float]] = field(default_factory=list)
 
     @property
@@ -59,7 +61,8 @@ def plan_request(request: ConvertMLA):
     return source, anatomy, plan
 
 
-def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
+def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | None = None) -> ConvertReport:
+    """Convert (and heal, when ``recipe`` has a heal step); with ``dry_run`` only plan."""
     source, anatomy, plan = plan_request(request)
     report = ConvertReport(plan, anatomy)
     if dry_run:
@@ -71,7 +74,7 @@ def run_convert(request: ConvertMLA, dry_run: bool = False) -> ConvertReport:
             request.refine_steps, request.refine_tokens, request.refine_lr, progress=advance,
         )
     report.plan, report.layer_errors = result.plan, result.layer_errors
-    finish_surgery(surgery, result.model, request, anatomy, report, lambda: mla_card(request, report))
+    finish_surgery(surgery, result.model, request, anatomy, report, lambda: mla_card(request, report), recipe=recipe)
     return report
 
 
@@ -117,7 +120,7 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "
             + (f"then {request.refine_steps} Adam steps per layer on {request.refine_tokens} tokens against the "
                "original layer's output" if request.refine_steps else "no refinement")
-            + "; no healing",
+            + "; " + healing_note(report),
         ],
         figures=figures,
     )

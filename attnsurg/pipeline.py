@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import yaml
 from transformers import PreTrainedModel, set_seed
 
 from attnsurg import ui
@@ -21,7 +20,8 @@ from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.card import CardInfo
 from attnsurg.io.load import DTYPES, load_model, load_tokenizer
 from attnsurg.io.save import check_output_path, write_checkpoint
-from attnsurg.recipe import Calibration, ModelRef, TextData
+from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
+from attnsurg.recipe import Calibration, ModelRef, Recipe, TextData
 
 
 def command_line() -> str:
@@ -92,10 +92,15 @@ def start_surgery(request, source, anatomy: AttentionAnatomy) -> Surgery:
 
 def finish_surgery(
     surgery: Surgery, result: PreTrainedModel, request, anatomy: AttentionAnatomy, report,
-    card: Callable[[], CardInfo], extra_files: dict[str, str] | None = None,
+    card: Callable[[], CardInfo], extra_files: dict[str, str] | None = None, recipe: Recipe | None = None,
 ) -> None:
-    """Score before/after on the same windows, cast to the source dtype, fill the report's timing and
-    write the checkpoint with its card and the recipe that made it."""
+    """Heal if the recipe says so, score before/after on the same windows, cast to the source dtype, fill
+    the report's timing and write the checkpoint with its card and the recipe that made it."""
+    recipe = recipe or Recipe.from_request(request)
+    if recipe.heal is not None:
+        from attnsurg.heal import heal_model, heal_state_dir
+
+        report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed, heal_state_dir(request.output))
     if request.eval_tokens:
         report.ppl_before, report.ppl_after = perplexity_before_after(
             surgery.model, result, surgery.tokenizer, request.calibration, request.eval_tokens, anatomy
@@ -103,5 +108,27 @@ def finish_surgery(
     to_source_dtype(result, anatomy)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()
-    files = {"attnsurg_recipe.yaml": yaml.safe_dump(request.model_dump(mode="json"), sort_keys=False), **(extra_files or {})}
-    report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, card(), request.overwrite, extra_files=files))
+    files = {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})}
+    info = card()
+    if getattr(report, "heal", None) is not None:
+        add_healing(info, report.heal, recipe.heal)
+    report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, info, request.overwrite, extra_files=files))
+
+
+def healing_note(report) -> str:
+    """The card's word on healing: "no healing", or what healing will be described below."""
+    return "healed after the surgery (see below)" if getattr(report, "heal", None) is not None else "no healing"
+
+
+def add_healing(info: CardInfo, heal, settings) -> None:
+    data = settings.data.dataset or str(settings.data.text)
+    teacher = settings.teacher.ref if settings.teacher else "the source model"
+    info.details.append(
+        f"healing: distillation from {teacher} (KL weight {settings.kl_weight}, LM weight {settings.lm_weight}, "
+        f"T {settings.temperature}) on {heal.tokens:,} tokens of the {settings.data.part} part of {data}, "
+        f"{heal.steps} steps of {heal.tokens_per_step} tokens, lr {settings.lr} ({settings.schedule}), training "
+        f"{settings.train} ({heal.trainable_parameters:,} parameters), {heal.tokens_per_second:,.0f} tokens/s"
+    )
+    if heal.losses:
+        info.figures.append({"metric": "distillation loss (first step, last step)",
+                             "before": f"{heal.losses[0][1]:.4f}", "after": f"{heal.losses[-1][1]:.4f}"})

@@ -7,9 +7,9 @@ Unknown keys are rejected so a typo in a recipe is an error, not a silently igno
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -19,11 +19,26 @@ class Strict(BaseModel):
 
 
 class ModelRef(Strict):
-    """A model to load: a local directory, a .gguf file, a hub id or a built-in name."""
+    """A model to load: a local directory, a .gguf file, a hub id or a built-in name.
+
+    In a recipe a bare string is short for ``{ref: STRING}``, and a reference with no flags is written back
+    as that string.
+    """
 
     ref: str
     trust_remote_code: bool = False
     allow_pickle: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value):
+        return {"ref": value} if isinstance(value, str) else value
+
+    @model_serializer(mode="wrap")
+    def _as_string_when_plain(self, handler):
+        if not self.trust_remote_code and not self.allow_pickle:
+            return self.ref
+        return handler(self)
 
 
 class TextData(Strict):
@@ -80,11 +95,22 @@ class Calibration(Strict):
     seq_len: int = Field(512, gt=1)
 
 
-class ConvertMLA(Strict):
-    """``attnsurg convert MODEL --to mla``: GQA/MHA to a DeepseekV3 (latent attention) checkpoint."""
+class SurgeryContext(Strict):
+    """What every surgery request carries besides its method's settings."""
 
     model: ModelRef
     output: Path
+    calibration: Calibration = Calibration()
+    eval_tokens: int = Field(2048, ge=0)
+    overwrite: bool = False
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------- method settings (recipe steps)
+class MLASettings(Strict):
+    """``convert --to mla``: the KV budget as a fraction, or as a latent rank plus RoPE dims."""
+
+    to: Literal["mla"] = "mla"
     kv_budget: float | None = None
     kv_rank: int | None = None
     rope_dim: int | None = None
@@ -93,21 +119,12 @@ class ConvertMLA(Strict):
     refine_steps: int = Field(20, ge=0)
     refine_tokens: int = Field(2048, gt=0)
     refine_lr: float = Field(1e-3, gt=0)
-    calibration: Calibration = Calibration()
-    eval_tokens: int = Field(2048, ge=0)
-    overwrite: bool = False
-    seed: int = 0
 
 
-class CompressLowRank(Strict):
-    """``attnsurg compress MODEL --method svd|asvd|svdllm``: low-rank attention projections.
+class LowRankSettings(Strict):
+    """``compress --method svd|asvd|svdllm``. The budget is ``ratio`` (the fraction of the targeted
+    projections' parameters kept; with ``kv_latent``, of the KV cache) or one ``rank`` everywhere."""
 
-    The budget is either ``ratio`` (the fraction of the targeted projections' parameters kept; with
-    ``kv_latent``, the fraction of the KV cache kept) or one ``rank`` for every targeted projection.
-    """
-
-    model: ModelRef
-    output: Path
     method: Literal["svd", "asvd", "svdllm"] = "svdllm"
     targets: tuple[str, ...] = ("q", "k", "v", "o")
     ratio: float | None = None
@@ -115,45 +132,196 @@ class CompressLowRank(Strict):
     kv_latent: bool = False
     allocate: bool = False
     weighted: bool | None = None
-    calibration: Calibration = Calibration()
-    eval_tokens: int = Field(2048, ge=0)
-    overwrite: bool = False
-    seed: int = 0
 
 
-class CompressHeadTensor(Strict):
-    """``attnsurg compress MODEL --method tucker|cp``: per-head weights as a decomposed tensor.
+class HeadTensorSettings(Strict):
+    """``compress --method tucker|cp``. The budget is ``ratio`` or ``ranks``: Tucker's (heads, head_dim,
+    hidden) mode ranks, or CP's single rank."""
 
-    The budget is either ``ratio`` (the fraction of the targeted projections' parameters kept) or
-    ``ranks``: Tucker's (heads, head_dim, hidden) mode ranks, or CP's single rank.
-    """
-
-    model: ModelRef
-    output: Path
     method: Literal["tucker", "cp"] = "tucker"
     targets: tuple[str, ...] = ("q", "k", "v", "o")
     ratio: float | None = None
     ranks: tuple[int, ...] | None = None
     weighted: bool = True
-    calibration: Calibration = Calibration()
-    eval_tokens: int = Field(2048, ge=0)
-    overwrite: bool = False
-    seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cp_rank(cls, data):
+        """``rank: R`` is how CP's single rank reads in a recipe (as ``--rank`` on the command line)."""
+        if isinstance(data, dict) and data.get("method") == "cp" and "rank" in data and "ranks" not in data:
+            data = {**data, "ranks": [data["rank"]]}
+            del data["rank"]
+        return data
 
 
-class CompressLoki(Strict):
-    """``attnsurg compress MODEL --method loki``: keys scored by R principal coordinates, top-k attention.
+class LokiSettings(Strict):
+    """``compress --method loki``: keys scored by ``rank`` principal coordinates, exact attention over the
+    ``top_k`` best (a count of keys, or a float in (0, 1]: a fraction of each query's context)."""
 
-    ``top_k`` is a count of keys, or (a float in (0, 1]) a fraction of each query's context.
-    """
-
-    model: ModelRef
-    output: Path
     method: Literal["loki"] = "loki"
     rank: int | None = None
     top_k: int | float | None = None
     basis: Literal["post-rope", "pre-rope"] = "post-rope"
+
+
+class HealSettings(Strict):
+    """``heal``: distill the teacher's next-token distribution into the student on text.
+
+    ``tokens`` is the training budget (optimizer steps = tokens / (seq_len x batch_size x grad_accum x
+    processes)). ``train: attention`` trains only the attention modules (less any value a conversion
+    holds fixed for exactness); ``all`` trains every parameter. ``teacher`` defaults to the recipe's source
+    model when healing follows a surgery step.
+    """
+
+    teacher: ModelRef | None = None
+    data: TextData = TextData(dataset="wiki-sample", part="calib")
+    tokens: int = Field(100_000, gt=0)
+    seq_len: int = Field(512, gt=1)
+    batch_size: int = Field(4, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    lr: float = Field(2e-4, gt=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup: float = Field(0.05, ge=0, lt=1)
+    kl_weight: float = Field(1.0, ge=0)
+    lm_weight: float = Field(0.0, ge=0)
+    temperature: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    train: Literal["attention", "all"] = "attention"
+    eval_every: int = Field(0, ge=0)
+    eval_tokens: int = Field(2048, gt=1)
+    save_every: int = Field(25, gt=0)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+
+    @model_validator(mode="after")
+    def _some_loss(self) -> HealSettings:
+        if self.kl_weight == 0 and self.lm_weight == 0:
+            raise ValueError("kl_weight and lm_weight are both 0: nothing to train on")
+        return self
+
+    @field_validator("data")
+    @classmethod
+    def _calibration_part(cls, data: TextData) -> TextData:
+        return data if data.text else data.model_copy(update={"part": "calib"})
+
+
+# ------------------------------------------------------------------------------- requests (one command)
+class ConvertMLA(MLASettings, SurgeryContext):
+    """``attnsurg convert MODEL --to mla``: GQA/MHA to a DeepseekV3 (latent attention) checkpoint."""
+
+
+class CompressLowRank(LowRankSettings, SurgeryContext):
+    """``attnsurg compress MODEL --method svd|asvd|svdllm``: low-rank attention projections."""
+
+
+class CompressHeadTensor(HeadTensorSettings, SurgeryContext):
+    """``attnsurg compress MODEL --method tucker|cp``: per-head weights as a decomposed tensor."""
+
+
+class CompressLoki(LokiSettings, SurgeryContext):
+    """``attnsurg compress MODEL --method loki``: keys scored by R principal coordinates, top-k attention."""
+
+
+SurgeryRequest = ConvertMLA | CompressLowRank | CompressHeadTensor | CompressLoki
+REQUEST_FOR = {MLASettings: ConvertMLA, LowRankSettings: CompressLowRank, HeadTensorSettings: CompressHeadTensor,
+               LokiSettings: CompressLoki}
+
+
+# ------------------------------------------------------------------------------------------- recipes
+CompressSettings = Annotated[LowRankSettings | HeadTensorSettings | LokiSettings, Field(discriminator="method")]
+
+
+class ConvertStep(Strict):
+    convert: MLASettings
+
+
+class CompressStep(Strict):
+    compress: CompressSettings
+
+
+class HealStep(Strict):
+    heal: HealSettings
+
+
+STEP_KINDS = ("convert", "compress", "heal")
+
+
+def step_kind(value) -> str | None:
+    """A step is a mapping with exactly one key, the kind of step."""
+    if isinstance(value, dict):
+        return next(iter(value)) if len(value) == 1 and next(iter(value)) in STEP_KINDS else None
+    return next((kind for kind in STEP_KINDS if getattr(value, kind, None) is not None), None)
+
+
+Step = Annotated[
+    Union[Annotated[ConvertStep, Tag("convert")], Annotated[CompressStep, Tag("compress")], Annotated[HealStep, Tag("heal")]],
+    Discriminator(
+        step_kind,
+        custom_error_type="step_kind",
+        custom_error_message="a step is a mapping with exactly one key: convert, compress or heal",
+    ),
+]
+
+
+class Evaluation(Strict):
+    """Scored after the surgery (and healing): the first ``tokens`` of the eval part of the calibration
+    dataset, source and result on the same windows."""
+
+    tokens: int = Field(2048, ge=0)
+
+
+class Recipe(Strict):
+    """A whole run as a file: the model, one surgery step, optional healing, calibration, output and the
+    evaluation after. Every convert/compress/heal command builds one of these and runs it."""
+
+    description: str = ""
+    model: ModelRef
+    output: Path
+    steps: list[Step] = Field(min_length=1)
     calibration: Calibration = Calibration()
-    eval_tokens: int = Field(2048, ge=0)
-    overwrite: bool = False
+    eval: Evaluation = Evaluation()
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _supported_order(self) -> Recipe:
+        kinds = [step_kind(step) for step in self.steps]
+        surgeries = [k for k in kinds if k != "heal"]
+        if len(surgeries) > 1:
+            raise ValueError("a recipe holds at most one convert or compress step (chaining surgeries is not supported)")
+        if surgeries and kinds[0] == "heal":
+            raise ValueError("the convert or compress step comes first; heal follows it")
+        if kinds.count("heal") > 1:
+            raise ValueError("a recipe holds at most one heal step")
+        if not surgeries and self.heal.teacher is None:
+            raise ValueError("a heal-only recipe names its teacher (steps[0].heal.teacher): the original model")
+        return self
+
+    @property
+    def surgery(self) -> MLASettings | LowRankSettings | HeadTensorSettings | LokiSettings | None:
+        for step in self.steps:
+            if isinstance(step, ConvertStep):
+                return step.convert
+            if isinstance(step, CompressStep):
+                return step.compress
+        return None
+
+    @property
+    def heal(self) -> HealSettings | None:
+        return next((step.heal for step in self.steps if isinstance(step, HealStep)), None)
+
+    def request(self, overwrite: bool = False) -> SurgeryRequest:
+        """The surgery step as the request its command runs."""
+        settings = self.surgery
+        if settings is None:
+            raise ValueError("this recipe has no convert or compress step")
+        context = dict(model=self.model, output=self.output, calibration=self.calibration,
+                       eval_tokens=self.eval.tokens, overwrite=overwrite, seed=self.seed)
+        return REQUEST_FOR[type(settings)](**context, **dict(settings))
+
+    @classmethod
+    def from_request(cls, request: SurgeryRequest, heal: HealSettings | None = None) -> Recipe:
+        settings_type = next(s for s, r in REQUEST_FOR.items() if isinstance(request, r))
+        settings = settings_type(**{name: getattr(request, name) for name in settings_type.model_fields})
+        step = ConvertStep(convert=settings) if settings_type is MLASettings else CompressStep(compress=settings)
+        steps = [step] + ([HealStep(heal=heal)] if heal else [])
+        return cls(model=request.model, output=request.output, steps=steps, calibration=request.calibration,
+                   eval=Evaluation(tokens=request.eval_tokens), seed=request.seed)

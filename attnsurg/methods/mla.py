@@ -427,17 +427,33 @@ def mla_attention(config: DeepseekV3Config, index: int, w: MLAWeights, o_weight:
     return attention
 
 
-def freeze_norm_channel(attention: DeepseekV3Attention, rank: int) -> list[torch.nn.Parameter]:
-    """Trainable parameters, with the latent-norm channel (row ``rank`` of kv_a) kept at its constant."""
+def norm_channel_of(attention: DeepseekV3Attention) -> int | None:
+    """The latent row a conversion made constant (zero weights, non-zero bias), if any."""
+    kv_a = attention.kv_a_proj_with_mqa
+    if kv_a.bias is None:
+        return None
+    rank = attention.config.kv_lora_rank
+    rows = torch.nonzero((kv_a.weight[:rank].abs().amax(dim=1) == 0) & (kv_a.bias[:rank] != 0)).flatten()
+    return int(rows[-1]) if len(rows) else None
+
+
+def hold_norm_channel(attention: DeepseekV3Attention, rank: int) -> None:
+    """Keep the latent-norm channel (row ``rank`` of kv_a) at its constant and the query route fixed while
+    the rest trains: the latent RMSNorm stays neutralised."""
     attention.kv_a_layernorm.weight.requires_grad_(False)
-    attention.o_proj.requires_grad_(False)
     if attention.q_a_proj is not None:  # the query route is fixed; q_b (weights and bias column) trains
         attention.q_a_proj.requires_grad_(False)
         attention.q_a_layernorm.requires_grad_(False)
-    keep = torch.ones(attention.kv_a_proj_with_mqa.weight.shape[0], 1)
+    keep = torch.ones(attention.kv_a_proj_with_mqa.weight.shape[0], 1, device=attention.kv_a_proj_with_mqa.weight.device)
     keep[rank] = 0
-    attention.kv_a_proj_with_mqa.weight.register_hook(lambda g: g * keep)
-    attention.kv_a_proj_with_mqa.bias.register_hook(lambda g: g * keep[:, 0])
+    attention.kv_a_proj_with_mqa.weight.register_hook(lambda g: g * keep.to(g.dtype))
+    attention.kv_a_proj_with_mqa.bias.register_hook(lambda g: g * keep[:, 0].to(g.dtype))
+
+
+def freeze_norm_channel(attention: DeepseekV3Attention, rank: int) -> list[torch.nn.Parameter]:
+    """Refinement's trainable parameters: the norm channel held, and o_proj fixed."""
+    hold_norm_channel(attention, rank)
+    attention.o_proj.requires_grad_(False)
     return [p for p in attention.parameters() if p.requires_grad]
 
 

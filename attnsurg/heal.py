@@ -1,0 +1,278 @@
+"""Healing: distil the original model (teacher) into the operated one (student) with accelerate.
+
+The loss per token is ``kl_weight * T^2 KL(p_teacher^T || p_student^T) + lm_weight * CE(student, next token)``
+(Hinton et al. 2015, eq. 1-2, with temperature T). By default only the attention modules train, less the
+values a conversion holds fixed for exactness (the MLA latent-norm channel and query route, Loki's PCA
+basis). The same code runs on the CPU, on one GPU in bf16 and under ``accelerate launch`` on several.
+
+Batches are a pure function of (seed, step), so a run that resumes from its saved state (accelerate's
+``save_state``/``load_state``, every ``save_every`` steps) reaches the same weights as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from transformers import PreTrainedModel, get_scheduler
+
+from attnsurg import ui
+from attnsurg.data import load_text
+from attnsurg.errors import UserError
+from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.methods.mla import hold_norm_channel, norm_channel_of
+from attnsurg.recipe import HealSettings, TextData
+
+STATE_MARKER = "heal.json"
+SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+@dataclass
+class HealReport:
+    steps: int
+    tokens_per_step: int
+    trainable_parameters: int
+    resumed_from: int = 0
+    seconds: float = 0.0
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean loss of the step)
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out ppl)
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+    @property
+    def tokens_per_second(self) -> float:
+        trained = (self.steps - self.resumed_from) * self.tokens_per_step
+        return trained / self.seconds if self.seconds else 0.0
+
+
+def heal_state_dir(output: Path) -> Path:
+    """Where a heal run keeps its resumable state: beside the output, never inside it."""
+    output = Path(output)
+    return output.parent / f"{output.name}.heal-state"
+
+
+# ------------------------------------------------------------------------------------ what trains
+def select_trainable(model: PreTrainedModel, train: str) -> list[torch.nn.Parameter]:
+    """Mark what trains (attention modules, or everything) and return those parameters."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(train == "all")
+    if train == "attention":
+        for name, module in model.named_modules():
+            if name.endswith(".self_attn"):
+                module.requires_grad_(True)
+    hold_exactness_constants(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise UserError("the student has no attention modules named '*.self_attn' to train; use train: all (--train all)")
+    return trainable
+
+
+def hold_exactness_constants(model: PreTrainedModel) -> None:
+    """Values a surgery fixed on purpose stay fixed: an MLA conversion's latent-norm channel and query route,
+    and Loki's orthonormal key basis (training it would break the top-k scores' meaning)."""
+    for name, module in model.named_modules():
+        if hasattr(module, "kv_a_proj_with_mqa"):
+            channel = norm_channel_of(module)
+            if channel is not None:
+                hold_norm_channel(module, channel)
+        if hasattr(module, "loki_basis"):
+            module.loki_basis.requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------- data
+def training_windows(tokenizer, data: TextData, seq_len: int) -> torch.Tensor:
+    """Disjoint ``[n, seq_len]`` windows over the whole training text (the calibration part of a dataset)."""
+    text = load_text(data.dataset, data.text, data.part)
+    ids = tokenizer(text.text, add_special_tokens=False)["input_ids"]
+    n = len(ids) // seq_len
+    if n == 0:
+        raise UserError(f"training text '{text.name}' has {len(ids)} tokens, fewer than one window of {seq_len}")
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def window_order(n: int, epoch: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=generator)
+
+
+def batch_indices(n: int, position: int, size: int, seed: int) -> list[int]:
+    """Windows ``position .. position + size - 1`` of an endless stream of seeded epoch permutations."""
+    out = []
+    for p in range(position, position + size):
+        epoch, offset = divmod(p, n)
+        out.append(int(window_order(n, epoch, seed)[offset]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- loss
+def distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor, settings: HealSettings
+) -> torch.Tensor:
+    """Mean over tokens of the weighted KL and next-token cross-entropy (computed in float32)."""
+    loss = student_logits.new_zeros((), dtype=torch.float32)
+    if settings.kl_weight:
+        t = settings.temperature
+        student = F.log_softmax(student_logits.float().flatten(0, 1) / t, dim=-1)
+        teacher = F.log_softmax(teacher_logits.float().flatten(0, 1) / t, dim=-1)
+        kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+        loss = loss + settings.kl_weight * t * t * kl
+    if settings.lm_weight:
+        logits = student_logits[:, :-1].float().flatten(0, 1)
+        loss = loss + settings.lm_weight * F.cross_entropy(logits, input_ids[:, 1:].flatten())
+    return loss
+
+
+# ------------------------------------------------------------------------------ resumable state
+def fingerprint(settings: HealSettings, seed: int, student: PreTrainedModel, trainable: int) -> str:
+    """Identifies a run: resuming with other settings or another student would mix two runs."""
+    record = json.dumps([settings.model_dump(mode="json"), seed, trainable,
+                         sum(p.numel() for p in student.parameters())], sort_keys=True)
+    return hashlib.sha256(record.encode()).hexdigest()[:16]
+
+
+def saved_steps(state_dir: Path) -> list[tuple[int, Path, str]]:
+    """Complete saved states (the marker is written last), oldest first."""
+    found = []
+    for marker in state_dir.glob(f"step-*/{STATE_MARKER}"):
+        record = json.loads(marker.read_text())
+        found.append((record["step"], marker.parent, record["fingerprint"]))
+    return sorted(found)
+
+
+def resume_step(accelerator: Accelerator, state_dir: Path, run_id: str) -> int:
+    states = saved_steps(state_dir) if state_dir.is_dir() else []
+    if not states:
+        return 0
+    step, path, saved_id = states[-1]
+    if saved_id != run_id:
+        raise UserError(
+            f"'{state_dir}' holds the state of a heal run with other settings or another student; "
+            "rerun with the same settings to resume, or delete that directory to start over"
+        )
+    accelerator.load_state(str(path))
+    ui.info(f"resuming healing from step {step} ({path})")
+    return step
+
+
+def save_step(accelerator: Accelerator, state_dir: Path, step: int, run_id: str) -> None:
+    path = state_dir / f"step-{step:08d}"
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        (path / STATE_MARKER).write_text(json.dumps({"step": step, "fingerprint": run_id}))
+        for _, older, _ in saved_steps(state_dir)[:-1]:
+            shutil.rmtree(older, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+# ------------------------------------------------------------------------------------ training
+def make_accelerator(settings: HealSettings) -> Accelerator:
+    precision = settings.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return Accelerator(mixed_precision=precision)
+
+
+def heal_model(
+    student: PreTrainedModel,
+    teacher: PreTrainedModel,
+    tokenizer,
+    settings: HealSettings,
+    seed: int,
+    state_dir: Path,
+    on_step: Callable[[int], None] | None = None,
+) -> HealReport:
+    """Train ``student`` in place toward ``teacher``; returns what happened. ``state_dir`` is removed after
+    a run that finishes; an interrupted run leaves it, and the same call resumes from it."""
+    accelerator = make_accelerator(settings)
+    windows = training_windows(tokenizer, settings.data, settings.seq_len)
+    held_out = held_out_windows(tokenizer, settings) if settings.eval_every else None
+    trainable = select_trainable(student, settings.train)
+    micro_batch = settings.batch_size * accelerator.num_processes
+    tokens_per_step = settings.seq_len * micro_batch * settings.grad_accum
+    steps = max(1, settings.tokens // tokens_per_step)
+    report = HealReport(steps, tokens_per_step, sum(p.numel() for p in trainable))
+
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = get_scheduler(SCHEDULES[settings.schedule], optimizer, math.ceil(settings.warmup * steps), steps)
+    student, optimizer = accelerator.prepare(student, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    teacher.to(accelerator.device).eval().requires_grad_(False)
+    run_id = fingerprint(settings, seed, accelerator.unwrap_model(student), report.trainable_parameters)
+    report.resumed_from = start = resume_step(accelerator, state_dir, run_id)
+
+    started = time.perf_counter()
+    student.train()
+    with ui.progress_bar("Healing", total=steps, unit="steps") as advance:
+        advance(start)
+        for step in range(start, steps):
+            loss = train_step(accelerator, student, teacher, optimizer, scheduler, windows, settings, seed, step, trainable)
+            report.losses.append((step + 1, loss))
+            rate = (step + 1 - start) * tokens_per_step / (time.perf_counter() - started)
+            advance(1, note=f"loss {loss:.4f}, {rate:,.0f} tok/s")
+            if held_out is not None and (step + 1) % settings.eval_every == 0:
+                report.evals.append((step + 1, evaluate(accelerator, student, held_out)))
+                ui.info(f"step {step + 1}/{steps}: loss {loss:.4f}, held-out ppl {report.evals[-1][1]:.3f}")
+            if (step + 1) % settings.save_every == 0 and step + 1 < steps:
+                save_step(accelerator, state_dir, step + 1, run_id)
+            if on_step is not None:
+                on_step(step + 1)
+    report.seconds = time.perf_counter() - started
+    student = accelerator.unwrap_model(student).eval()
+    student.requires_grad_(False)
+    accelerator.free_memory()
+    if accelerator.is_main_process:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    return report
+
+
+def train_step(accelerator, student, teacher, optimizer, scheduler, windows, settings, seed, step, trainable) -> float:
+    """One optimizer step over ``grad_accum`` micro-batches; returns the step's mean loss (this process)."""
+    total = 0.0
+    for micro in range(settings.grad_accum):
+        position = ((step * settings.grad_accum + micro) * accelerator.num_processes + accelerator.process_index)
+        rows = batch_indices(len(windows), position * settings.batch_size, settings.batch_size, seed)
+        input_ids = windows[rows].to(accelerator.device)
+        with accelerator.autocast():
+            with torch.no_grad():
+                teacher_logits = teacher(input_ids=input_ids).logits
+            student_logits = student(input_ids=input_ids).logits
+            loss = distillation_loss(student_logits, teacher_logits, input_ids, settings) / settings.grad_accum
+        last = micro == settings.grad_accum - 1
+        with nullcontext() if last else accelerator.no_sync(student):
+            accelerator.backward(loss)
+        total += loss.item()
+    accelerator.clip_grad_norm_(trainable, settings.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def held_out_windows(tokenizer, settings: HealSettings):
+    """The first ``eval_tokens`` of the dataset's eval part (a user's file: its first tokens, which may
+    overlap the training text; the report says so)."""
+    data = settings.data.model_copy(update={"part": "eval"})
+    length = min(1024, settings.eval_tokens)
+    return eval_windows(tokenizer, data, length, settings.eval_tokens)
+
+
+def evaluate(accelerator: Accelerator, student, held_out) -> float:
+    model = accelerator.unwrap_model(student)
+    model.eval()
+    with accelerator.autocast():
+        ppl = perplexity_of(model, *held_out)
+    model.train()
+    return ppl

@@ -1,0 +1,115 @@
+"""Recipes as YAML files: read with line numbers for every error, written back in a stable form.
+
+A recipe is only ever read with ``yaml.safe_load`` semantics (no Python objects), then validated by the
+pydantic models in :mod:`attnsurg.recipe`. An error names the file, the line and the field, e.g.
+``recipes/x.yaml:7: steps[0].compress.ratio: Input should be a valid number``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from attnsurg.errors import UserError
+from attnsurg.recipe import Recipe
+
+RECIPE_FILE = "attnsurg_recipe.yaml"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The recipe as YAML with every setting spelled out (defaults included), so a file records exactly
+    what ran even if a later version changes a default."""
+    text = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    return text
+
+
+def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{name}:{mark.line + 1}" if mark else name
+        raise UserError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{name}: a recipe is a YAML mapping (model:, output:, steps:, ...)")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = input_path(first["loc"], data)
+        if first["type"] == "union_tag_invalid":  # an unknown method: point at its key
+            loc = input_path(first["loc"][:-1], data) + (first["ctx"]["discriminator"].strip("'"),)
+            first["msg"] = f"unknown method {first['ctx']['tag']!r}; choose from {first['ctx']['expected_tags']}"
+        line = line_of(root, loc)
+        where = f"{name}:{line}" if line else name
+        field = format_loc(loc)
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown key (check its spelling and where it sits)"
+        if first["type"] == "missing":
+            message = "required key is missing"
+        raise UserError(f"{where}: {field + ': ' if field else ''}{message}") from None
+
+
+def load_recipe(path: Path) -> Recipe:
+    """A recipe file, or the name of a shipped recipe (``mla-50`` for ``recipes/mla-50.yaml``)."""
+    path = resolve_recipe(path)
+    return parse_recipe(path.read_text(encoding="utf-8"), str(path))
+
+
+def resolve_recipe(path: Path) -> Path:
+    path = Path(path)
+    if path.is_file():
+        return path
+    shipped = SHIPPED_DIR / f"{path.name.removesuffix('.yaml')}.yaml"
+    if path.parent == Path(".") and shipped.is_file():
+        return shipped
+    names = ", ".join(p.stem for p in shipped_recipes()) or "none found"
+    raise UserError(f"recipe '{path}' is not a file or a shipped recipe name (shipped: {names})")
+
+
+def shipped_recipes() -> list[Path]:
+    return sorted(SHIPPED_DIR.glob("*.yaml")) if SHIPPED_DIR.is_dir() else []
+
+
+def input_path(loc: tuple, data) -> tuple:
+    """The error location as a path through the YAML input: pydantic adds the tags of discriminated unions
+    (``steps.0.compress.compress.tucker.ratio``), which name no key of the file; keep only what does."""
+    path, node = [], data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        elif i < len(loc) - 1:
+            continue
+        path.append(part)
+    return tuple(path)
+
+
+def format_loc(loc: tuple) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def line_of(node: yaml.Node | None, loc: tuple) -> int | None:
+    """1-based line of the deepest node of ``loc`` present in the file (a key's line for a mapping entry)."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            entry = next(((k, v) for k, v in node.value if k.value == part), None)
+            if entry is None:
+                break
+            line, node = entry[0].start_mark.line + 1, entry[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line

@@ -1,0 +1,132 @@
+"""``attnsurg run RECIPE``: execute a recipe. ``convert``, ``compress`` and ``heal`` build the same
+:class:`~attnsurg.recipe.Recipe` from their flags and come through here, so a command and its recipe
+are one thing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from attnsurg import ui
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.errors import UserError
+from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.heal import HealReport, heal_model, heal_state_dir
+from attnsurg.info import inspect_model
+from attnsurg.io.card import CardInfo
+from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
+from attnsurg.io.save import check_output_path, write_checkpoint
+from attnsurg.modeling import MODEL_TYPES as ATTNSURG_MODEL_TYPES
+from attnsurg.modeling import MODELING_FILE
+from attnsurg.pipeline import (
+    add_healing,
+    base_model_id,
+    command_line,
+    load_source,
+    peak_memory_gb,
+    to_source_dtype,
+)
+from attnsurg.recipe import MLASettings, ModelRef, Recipe, TextData
+
+
+def check_permissions(recipe: Recipe, trust_remote_code: bool, allow_pickle: bool) -> None:
+    """A recipe cannot grant itself remote code or pickle loading: the command line must agree."""
+    refs = [recipe.model] + ([recipe.heal.teacher] if recipe.heal and recipe.heal.teacher else [])
+    for ref in refs:
+        if ref.trust_remote_code and not trust_remote_code:
+            raise UserError(f"the recipe trusts remote code of '{ref.ref}'; pass --trust-remote-code to allow it")
+        if ref.allow_pickle and not allow_pickle:
+            raise UserError(f"the recipe allows pickle weights for '{ref.ref}'; pass --allow-pickle to allow it")
+
+
+def run_recipe(recipe: Recipe, dry_run: bool = False, overwrite: bool = False):
+    """Run the recipe's surgery (with its healing), or a heal-only recipe; returns the command's report."""
+    settings = recipe.surgery
+    if settings is None:
+        return run_heal(recipe, dry_run, overwrite)
+    request = recipe.request(overwrite)
+    if isinstance(settings, MLASettings):
+        from attnsurg.convert import run_convert
+
+        return run_convert(request, dry_run, recipe)
+    from attnsurg.compress import run_compress
+
+    return run_compress(request, dry_run, recipe)
+
+
+@dataclass
+class HealRunReport:
+    anatomy: AttentionAnatomy
+    steps: int | None = None
+    heal: HealReport | None = None
+    written: str | None = None
+    seconds: float = 0.0
+    peak_memory_gb: float = 0.0
+    ppl_teacher: float | None = None
+    ppl_before: float | None = None
+    ppl_after: float | None = None
+
+
+def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> HealRunReport:
+    """``attnsurg heal STUDENT --teacher ORIGINAL``: distil, score teacher/before/after, write."""
+    settings = recipe.heal
+    check_output_path(recipe.output, overwrite)
+    student_source, student_config, anatomy = inspect_model(recipe.model)
+    teacher_source, teacher_config, _ = inspect_model(settings.teacher)
+    if student_config.vocab_size != teacher_config.vocab_size:
+        raise UserError(
+            f"student and teacher vocabularies differ ({student_config.vocab_size} vs {teacher_config.vocab_size}); "
+            "heal against the model the student was made from"
+        )
+    report = HealRunReport(anatomy)
+    if dry_run:
+        return report
+    started = time.perf_counter()
+    student, tokenizer = load_source(recipe.model, student_source)
+    teacher, _ = load_source(settings.teacher, teacher_source)
+    held_out = None
+    if recipe.eval.tokens:
+        held_out = recipe_eval_windows(tokenizer, recipe, anatomy)
+        report.ppl_teacher, report.ppl_before = perplexity_of(teacher, *held_out), perplexity_of(student, *held_out)
+    report.heal = heal_model(student, teacher, tokenizer, settings, recipe.seed, heal_state_dir(recipe.output))
+    if held_out is not None:
+        report.ppl_after = perplexity_of(student, *held_out)
+    to_source_dtype(student, anatomy)
+    report.seconds = time.perf_counter() - started
+    report.peak_memory_gb = peak_memory_gb()
+    files = {RECIPE_FILE: dump_recipe(recipe)}
+    if anatomy.model_type in ATTNSURG_MODEL_TYPES:
+        files[MODELING_FILE.name] = MODELING_FILE.read_text(encoding="utf-8")
+    card = heal_card(recipe, report)
+    report.written = str(write_checkpoint(student, tokenizer, recipe.output, card, overwrite, extra_files=files))
+    return report
+
+
+def recipe_eval_windows(tokenizer, recipe: Recipe, anatomy: AttentionAnatomy):
+    """The recipe's evaluation windows: the first ``eval.tokens`` of the calibration dataset's eval part."""
+    data = recipe.calibration.data
+    data = TextData(dataset=data.dataset, text=data.text, part="eval")
+    length = min(1024, recipe.eval.tokens, anatomy.max_positions or 1024)
+    return eval_windows(tokenizer, data, length, recipe.eval.tokens)
+
+
+def heal_card(recipe: Recipe, report: HealRunReport) -> CardInfo:
+    teacher: ModelRef = recipe.heal.teacher
+    figures = []
+    if report.ppl_before is not None:
+        data = recipe.calibration.data.dataset or str(recipe.calibration.data.text)
+        figures.append({"metric": f"ppl, {data} eval part, first {recipe.eval.tokens} tokens (teacher {report.ppl_teacher:.3f})",
+                        "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
+    info = CardInfo(
+        title=f"{recipe.model.ref}, healed by distillation from {teacher.ref}",
+        summary=(
+            "The attention of this checkpoint was trained by attnsurg to match the teacher's next-token "
+            "distribution; the architecture and its KV cache are the student's, unchanged."
+        ),
+        base_model=base_model_id(teacher.ref),
+        command=command_line(),
+        figures=figures,
+    )
+    add_healing(info, report.heal, recipe.heal)
+    ui.info(f"healed {report.heal.steps} steps in {report.heal.seconds:.1f} s")
+    return info

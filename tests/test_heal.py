@@ -1,0 +1,163 @@
+"""Healing: the distillation loss falls, resumption reproduces an uninterrupted run, what must stay fixed
+stays fixed, and the command writes a checkpoint (or one clear line for bad input)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.cli import app
+from attnsurg.heal import batch_indices, distillation_loss, heal_model, select_trainable
+from attnsurg.methods.mla import convert, norm_channel_of, plan_mla
+from attnsurg.recipe import HealSettings, TextData
+
+from conftest import build_tiny
+
+LLAMA = family_for_surgery("llama")
+
+
+def mla_student(teacher, budget: float = 0.25):
+    plan = plan_mla(inspect_config(teacher.config), kv_budget=budget)
+    windows = torch.randint(0, teacher.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    return convert(teacher, LLAMA, windows, plan, refine_steps=0).model
+
+
+def settings(corpus_file, **overrides) -> HealSettings:
+    base = dict(data=TextData(text=corpus_file, part="calib"), tokens=32 * 2 * 16, seq_len=32, batch_size=2,
+                lr=5e-4, warmup=0.0, schedule="constant", save_every=2)
+    return HealSettings(**{**base, **overrides})
+
+
+def loss_on(student, teacher, ids, heal: HealSettings) -> float:
+    with torch.no_grad():
+        return distillation_loss(student(ids).logits, teacher(ids).logits, ids, heal).item()
+
+
+@pytest.fixture
+def teacher_and_tokenizer(tiny_checkpoints, tokenizer):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"]).eval()
+    with torch.no_grad():  # random heads give near-uniform outputs; a sharper teacher has something to teach
+        teacher.lm_head.weight.mul_(30)
+    return teacher, tokenizer
+
+
+def test_a_few_steps_reduce_the_distillation_loss(teacher_and_tokenizer, corpus_file, tmp_path):
+    teacher, tokenizer = teacher_and_tokenizer
+    student = mla_student(teacher)
+    heal = settings(corpus_file)
+    ids = torch.tensor(tokenizer(corpus_file.read_text())["input_ids"][:256]).view(4, 64)
+    before = loss_on(student, teacher, ids, heal)
+    report = heal_model(student, teacher, tokenizer, heal, seed=0, state_dir=tmp_path / "state")
+    after = loss_on(student, teacher, ids, heal)
+    assert report.steps == 16 and len(report.losses) == 16
+    assert after < 0.8 * before, (before, after)
+    assert not (tmp_path / "state").exists()  # a finished run leaves no state behind
+
+
+def test_training_touches_attention_only_and_holds_the_norm_channel(teacher_and_tokenizer, corpus_file, tmp_path):
+    teacher, tokenizer = teacher_and_tokenizer
+    student = mla_student(teacher)
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    channels = [norm_channel_of(layer.self_attn) for layer in student.model.layers]
+    assert all(c is not None for c in channels)
+    heal_model(student, teacher, tokenizer, settings(corpus_file, tokens=32 * 2 * 3), seed=0, state_dir=tmp_path / "s")
+    after = dict(student.named_parameters())
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all(".self_attn." in name for name in changed)
+    assert not any("kv_a_layernorm" in name for name in changed)
+    for layer, channel in zip(student.model.layers, channels):
+        kv_a = layer.self_attn.kv_a_proj_with_mqa
+        assert norm_channel_of(layer.self_attn) == channel
+        assert kv_a.weight[channel].abs().max() == 0
+
+
+def test_train_all_widens_to_every_parameter(teacher_and_tokenizer):
+    teacher, _ = teacher_and_tokenizer
+    student = mla_student(teacher)
+    attention_only = sum(p.numel() for p in select_trainable(student, "attention"))
+    everything = sum(p.numel() for p in select_trainable(student, "all"))
+    frozen_norms = sum(layer.self_attn.kv_a_layernorm.weight.numel() for layer in student.model.layers)
+    assert attention_only < everything == sum(p.numel() for p in student.parameters()) - frozen_norms
+
+
+def test_resumed_run_reaches_the_same_weights(teacher_and_tokenizer, corpus_file, tmp_path):
+    teacher, tokenizer = teacher_and_tokenizer
+    heal = settings(corpus_file, tokens=32 * 2 * 6, schedule="cosine", warmup=0.2)
+
+    uninterrupted = mla_student(teacher)
+    heal_model(uninterrupted, teacher, tokenizer, heal, seed=3, state_dir=tmp_path / "a")
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_at_five(step: int) -> None:
+        if step == 5:
+            raise Interrupted
+
+    resumed = mla_student(teacher)
+    with pytest.raises(Interrupted):
+        heal_model(resumed, teacher, tokenizer, heal, seed=3, state_dir=tmp_path / "b", on_step=stop_at_five)
+    assert (tmp_path / "b" / "step-00000004").is_dir()  # saved every 2 steps; step 5 was lost
+    resumed = mla_student(teacher)  # a fresh process would start from the unhealed checkpoint
+    report = heal_model(resumed, teacher, tokenizer, heal, seed=3, state_dir=tmp_path / "b")
+    assert report.resumed_from == 4
+    for (name, a), b in zip(uninterrupted.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_resuming_with_other_settings_is_refused(teacher_and_tokenizer, corpus_file, tmp_path):
+    from attnsurg.errors import UserError
+
+    teacher, tokenizer = teacher_and_tokenizer
+    heal = settings(corpus_file, tokens=32 * 2 * 4)
+    with pytest.raises(RuntimeError):
+        heal_model(mla_student(teacher), teacher, tokenizer, heal, seed=0, state_dir=tmp_path / "s",
+                   on_step=lambda step: (_ for _ in ()).throw(RuntimeError()) if step == 3 else None)
+    with pytest.raises(UserError, match="other settings"):
+        heal_model(mla_student(teacher), teacher, tokenizer, heal.model_copy(update={"lr": 1e-3}), seed=0,
+                   state_dir=tmp_path / "s")
+
+
+def test_batches_are_a_function_of_seed_and_position():
+    first = batch_indices(10, 0, 10, seed=1)
+    assert sorted(first) == list(range(10))  # one epoch visits every window once
+    assert batch_indices(10, 7, 5, seed=1) == batch_indices(10, 7, 5, seed=1)
+    assert batch_indices(10, 0, 10, seed=2) != first
+
+
+def test_loss_is_zero_for_the_teacher_itself():
+    logits = torch.randn(2, 5, 11)
+    heal = HealSettings()
+    assert distillation_loss(logits, logits, torch.zeros(2, 5, dtype=torch.long), heal).abs() < 1e-6
+
+
+def test_cli_heals_a_checkpoint(tiny_checkpoints, corpus_file, tmp_path):
+    runner = CliRunner()
+    student_dir = tmp_path / "student"
+    convert_args = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "mla", "--kv-budget", "0.25",
+                    "--refine-steps", "0", "--calib-text", str(corpus_file), "--calib-tokens", "512",
+                    "--eval-tokens", "0", "-o", str(student_dir)]
+    assert runner.invoke(app, convert_args).exit_code == 0
+    args = ["heal", str(student_dir), "--teacher", str(tiny_checkpoints["llama-gqa"]), "--text", str(corpus_file),
+            "--tokens", "256", "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3",
+            "--calib-dataset", "wiki-sample", "--eval-tokens", "0", "-o", str(tmp_path / "healed")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "healed 4 steps" in result.output
+    healed = AutoModelForCausalLM.from_pretrained(tmp_path / "healed")
+    assert type(healed).__name__ == "DeepseekV3ForCausalLM"
+    recipe = (tmp_path / "healed" / "attnsurg_recipe.yaml").read_text()
+    assert "heal:" in recipe and "teacher:" in recipe
+    assert not (tmp_path / "healed.heal-state").exists()
+
+
+def test_cli_refuses_mismatched_vocabularies(tiny_checkpoints, tmp_path, tokenizer):
+    other = build_tiny("llama", 500, num_key_value_heads=2)
+    other.save_pretrained(tmp_path / "other")
+    tokenizer.save_pretrained(tmp_path / "other")
+    result = CliRunner().invoke(app, ["heal", str(tiny_checkpoints["llama-gqa"]), "--teacher", str(tmp_path / "other"),
+                                      "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "vocabularies differ" in result.output
+    assert not (tmp_path / "out").exists()

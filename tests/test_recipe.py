@@ -1,0 +1,150 @@
+"""Recipes: YAML <-> objects, errors with field and line, the CLI and its recipe are one thing, and a
+checkpoint's own recipe reproduces it bit for bit."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from attnsurg.cli import app
+from attnsurg.errors import UserError
+from attnsurg.io.recipe_file import dump_recipe, load_recipe, parse_recipe, shipped_recipes
+from attnsurg.recipe import CompressLowRank, HealSettings, ModelRef, Recipe
+
+SHIPPED = shipped_recipes()
+REQUIRED_SHIPPED = {"mla-50", "mla-25", "svdllm-kv-latent-50", "tucker-50", "loki-r32-k25"}
+
+
+def test_the_required_recipes_ship():
+    assert REQUIRED_SHIPPED <= {path.stem for path in SHIPPED}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_recipe_validates_and_round_trips(path):
+    recipe = load_recipe(path)
+    text = dump_recipe(recipe)
+    again = parse_recipe(text)
+    assert again == recipe
+    assert dump_recipe(again) == text  # YAML -> model -> YAML is a fixed point
+    assert recipe.description
+
+
+def test_short_and_long_model_forms_are_the_same_recipe():
+    short = parse_recipe("model: m\noutput: o\nsteps:\n  - compress: {method: cp, rank: 8}\n")
+    long = parse_recipe("model: {ref: m}\noutput: o\nsteps:\n  - compress: {method: cp, rank: 8}\n")
+    assert short == long and yaml.safe_load(dump_recipe(short))["model"] == "m"
+
+
+BAD = {
+    "unknown key": ("model: m\noutput: o\nsteps:\n  - compress:\n      method: tucker\n      ratoi: 0.5\n",
+                    "<recipe>:6: steps[0].compress.ratoi: unknown key"),
+    "wrong type": ("model: m\noutput: o\nsteps:\n  - compress:\n      method: tucker\n      ratio: lots\n",
+                   "<recipe>:6: steps[0].compress.ratio: Input should be a valid number"),
+    "unknown method": ("model: m\noutput: o\nsteps:\n  - compress:\n      method: magic\n",
+                       "<recipe>:5: steps[0].compress.method: unknown method 'magic'"),
+    "missing model": ("output: o\nsteps:\n  - convert: {kv_budget: 0.5}\n", "<recipe>:1: model: required key is missing"),
+    "unknown step": ("model: m\noutput: o\nsteps:\n  - surgery: {}\n", "<recipe>:4: steps[0]: a step is a mapping"),
+    "nested unknown key": ("model: m\noutput: o\nsteps:\n  - heal:\n      teacher: t\n      tokenz: 5\n",
+                           "<recipe>:6: steps[0].heal.tokenz: unknown key"),
+    "two surgeries": ("model: m\noutput: o\nsteps:\n  - convert: {}\n  - compress: {method: cp}\n", "at most one convert or compress"),
+    "heal first": ("model: m\noutput: o\nsteps:\n  - heal: {}\n  - convert: {}\n", "comes first"),
+    "not yaml": ("model: m\noutput: [\n", "not valid YAML"),
+    "not a mapping": ("- a\n- b\n", "a recipe is a YAML mapping"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_recipes_name_the_field_and_line(case):
+    text, expected = BAD[case]
+    with pytest.raises(UserError) as info:
+        parse_recipe(text)
+    assert expected in str(info.value)
+
+
+def test_validate_command_exits_2_with_one_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(BAD["unknown key"][0])
+    result = CliRunner().invoke(app, ["recipe", "validate", str(path)])
+    assert result.exit_code == 2
+    assert f"{path}:6: steps[0].compress.ratoi: unknown key" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_list_shows_the_shipped_recipes():
+    result = CliRunner().invoke(app, ["recipe", "list", "--json"])
+    assert result.exit_code == 0
+    assert REQUIRED_SHIPPED <= {row["name"] for row in yaml.safe_load(result.output)}
+
+
+def test_request_and_recipe_convert_both_ways():
+    request = CompressLowRank(model=ModelRef(ref="m"), output=Path("o"), method="asvd", targets=("k", "v"),
+                              ratio=0.5, kv_latent=True, eval_tokens=0, seed=4)
+    recipe = Recipe.from_request(request, heal=HealSettings())
+    assert recipe.request() == request and recipe.heal == HealSettings()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["compress", "{model}", "--method", "tucker", "--ratio", "0.5", "--calib-tokens", "512"],
+        ["compress", "{model}", "--method", "svdllm", "--targets", "k,v", "--kv-latent", "--ratio", "0.5", "--allocate"],
+        ["compress", "{model}", "--method", "loki", "--rank", "8", "--top-k", "1/4", "--seed", "3"],
+        ["convert", "{model}", "--to", "mla", "--kv-budget", "0.5", "--refine-steps", "3"],
+    ],
+    ids=["tucker", "svdllm", "loki", "mla"],
+)
+def test_print_recipe_runs_the_same_as_the_command(args, tiny_checkpoints, tmp_path):
+    """`--dry-run --print-recipe` prints a recipe; running that recipe plans exactly what the flags plan."""
+    model = str(tiny_checkpoints["llama-gqa"])
+    argv = [a.replace("{model}", model) for a in args] + ["-o", str(tmp_path / "out")]
+    runner = CliRunner()
+    printed = runner.invoke(app, argv + ["--dry-run", "--print-recipe"])
+    assert printed.exit_code == 0, printed.output
+    recipe = parse_recipe(printed.output)
+    assert recipe.model.ref == model and recipe.output == tmp_path / "out"
+    path = tmp_path / "r.yaml"
+    path.write_text(printed.output)
+    by_flags = runner.invoke(app, argv + ["--dry-run", "--json"])
+    by_recipe = runner.invoke(app, ["run", str(path), "--dry-run", "--json"])
+    assert by_flags.exit_code == by_recipe.exit_code == 0
+    assert by_flags.output == by_recipe.output
+
+
+def run_twice(recipe_text: str, tmp_path: Path) -> tuple[Path, Path]:
+    runner = CliRunner()
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_text)
+    first = runner.invoke(app, ["run", str(path)])
+    assert first.exit_code == 0, first.output
+    stored = tmp_path / "first" / "attnsurg_recipe.yaml"
+    second = runner.invoke(app, ["run", str(stored), "-o", str(tmp_path / "second")])
+    assert second.exit_code == 0, second.output
+    return tmp_path / "first", tmp_path / "second"
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        "  - compress: {method: svdllm, ratio: 0.5}\n",
+        "  - convert: {to: mla, kv_budget: 0.5, refine_steps: 3}\n  - heal: {tokens: 256, seq_len: 32, batch_size: 2}\n",
+    ],
+    ids=["svdllm", "mla+heal"],
+)
+def test_a_checkpoint_recipe_reproduces_it_bit_for_bit(steps, tiny_checkpoints, corpus_file, tmp_path):
+    recipe = (
+        f"model: {tiny_checkpoints['llama-gqa']}\noutput: {tmp_path / 'first'}\nsteps:\n{steps}"
+        f"calibration:\n  data: {{text: {corpus_file}}}\n  tokens: 512\n  seq_len: 64\neval:\n  tokens: 128\nseed: 5\n"
+    ).replace("- heal: {", f"- heal: {{data: {{text: {corpus_file}}}, ")
+    first, second = run_twice(recipe, tmp_path)
+    for name in ("model.safetensors", "config.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    stored = load_recipe(first / "attnsurg_recipe.yaml")
+    assert stored.seed == 5 and stored.output == first
+
+
+def test_a_recipe_cannot_grant_itself_remote_code(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {ref: some/model, trust_remote_code: true}\noutput: o\nsteps:\n  - compress: {method: cp, rank: 4}\n")
+    result = CliRunner().invoke(app, ["run", str(path)])
+    assert result.exit_code == 2 and "pass --trust-remote-code" in result.output

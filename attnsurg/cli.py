@@ -75,9 +75,12 @@ def root(
 
 def quiet_libraries() -> None:
     """attnsurg shows its own progress; the libraries' tqdm bars and info logs would only add noise."""
+    import logging
+
     import huggingface_hub.utils
     import transformers
 
+    logging.getLogger("accelerate").setLevel(logging.ERROR)  # e.g. tied weights noted at every saved heal state
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     huggingface_hub.utils.disable_progress_bars()
@@ -244,6 +247,10 @@ def eval_perplexity(
         print(json.dumps(report.to_dict(), indent=2))
         return
     out.print(perplexity_table(report))
+    for r in report.results:
+        if r.surgery:
+            recall = f"; top-k recall {r.top_k_recall:.3f} on the first window" if r.top_k_recall is not None else ""
+            out.print(f"{r.model}: {r.surgery}{recall}", highlight=False)
     for note in report.notes:
         out.print(f"[yellow]note:[/] {note}")
 
@@ -577,6 +584,7 @@ def lowrank_plan_table(model: str, plan, rows: list[dict], dry_run: bool) -> Tab
 def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_output: bool) -> None:
     """Run a recipe (what every surgery command does) and print its report."""
     from attnsurg.io.recipe_file import dump_recipe
+    from attnsurg.pipeline import is_main_process
     from attnsurg.run import run_recipe
 
     if print_recipe:
@@ -584,7 +592,8 @@ def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_out
         if dry_run:
             return
     report = run_recipe(recipe, dry_run=dry_run, overwrite=overwrite)
-    print_report(recipe, report, dry_run, json_output)
+    if is_main_process():  # under `accelerate launch` the main process reports
+        print_report(recipe, report, dry_run, json_output)
 
 
 def print_report(recipe, report, dry_run: bool, json_output: bool) -> None:
@@ -701,6 +710,9 @@ def heal(
     warmup: Annotated[float, typer.Option("--warmup", help="Fraction of the steps spent warming up.")] = 0.05,
     kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of KL(teacher || student).")] = 1.0,
     lm_weight: Annotated[float, typer.Option("--lm-weight", help="Weight of the next-token loss.")] = 0.0,
+    hidden_weight: Annotated[
+        float, typer.Option("--hidden-weight", help="Weight of the residual-stream match after every layer (0: off).")
+    ] = 0.0,
     temperature: Annotated[float, typer.Option("--temperature", help="Distillation temperature.")] = 1.0,
     train: Annotated[str, typer.Option("--train", help="attention (the new or changed attention parameters) or all.")] = "attention",
     eval_every: Annotated[int, typer.Option("--eval-every", help="Held-out ppl every N steps (0: only at the end).")] = 0,
@@ -727,7 +739,7 @@ def heal(
     settings = HealSettings(
         teacher=ModelRef(ref=teacher, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
         data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
-        schedule=schedule, warmup=warmup, kl_weight=kl_weight, lm_weight=lm_weight, temperature=temperature,
+        schedule=schedule, warmup=warmup, kl_weight=kl_weight, lm_weight=lm_weight, hidden_weight=hidden_weight, temperature=temperature,
         train=train, eval_every=eval_every, save_every=save_every, mixed_precision=mixed_precision,
     )
     recipe = Recipe(

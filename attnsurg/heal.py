@@ -1,7 +1,9 @@
 """Healing: distil the original model (teacher) into the operated one (student) with accelerate.
 
 The loss per token is ``kl_weight * T^2 KL(p_teacher^T || p_student^T) + lm_weight * CE(student, next token)``
-(Hinton et al. 2015, eq. 1-2, with temperature T). By default only the attention modules train, less the
+(Hinton et al. 2015, eq. 1-2, with temperature T), plus optionally ``hidden_weight`` times the mean over layers
+of the relative error of the student's residual stream against the teacher's (intermediate-layer
+distillation, as in TinyBERT, Jiao et al. 2020, eq. 7). By default only the attention modules train, less the
 values a conversion holds fixed for exactness (the MLA latent-norm channel and query route, Loki's PCA
 basis). The same code runs on the CPU, on one GPU in bf16 and under ``accelerate launch`` on several.
 
@@ -118,10 +120,16 @@ def batch_indices(n: int, position: int, size: int, seed: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------- loss
 def distillation_loss(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor, settings: HealSettings
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor, settings: HealSettings,
+    student_hidden: tuple[torch.Tensor, ...] = (), teacher_hidden: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
-    """Mean over tokens of the weighted KL and next-token cross-entropy (computed in float32)."""
+    """Mean over tokens of the weighted KL, next-token cross-entropy and relative residual-stream error
+    (computed in float32)."""
     loss = student_logits.new_zeros((), dtype=torch.float32)
+    if settings.hidden_weight and student_hidden:
+        errors = [(s.float() - t.float()).pow(2).sum() / t.float().pow(2).sum()
+                  for s, t in zip(student_hidden[1:], teacher_hidden[1:])]
+        loss = loss + settings.hidden_weight * torch.stack(errors).mean()
     if settings.kl_weight:
         t = settings.temperature
         student = F.log_softmax(student_logits.float().flatten(0, 1) / t, dim=-1)
@@ -230,6 +238,7 @@ def heal_model(
             if on_step is not None:
                 on_step(step + 1)
     report.seconds = time.perf_counter() - started
+    accelerator.wait_for_everyone()
     student = accelerator.unwrap_model(student).eval()
     student.requires_grad_(False)
     accelerator.free_memory()
@@ -246,10 +255,14 @@ def train_step(accelerator, student, teacher, optimizer, scheduler, windows, set
         rows = batch_indices(len(windows), position * settings.batch_size, settings.batch_size, seed)
         input_ids = windows[rows].to(accelerator.device)
         with accelerator.autocast():
+            hidden = settings.hidden_weight > 0
             with torch.no_grad():
-                teacher_logits = teacher(input_ids=input_ids).logits
-            student_logits = student(input_ids=input_ids).logits
-            loss = distillation_loss(student_logits, teacher_logits, input_ids, settings) / settings.grad_accum
+                taught = teacher(input_ids=input_ids, output_hidden_states=hidden)
+            learned = student(input_ids=input_ids, output_hidden_states=hidden)
+            loss = distillation_loss(
+                learned.logits, taught.logits, input_ids, settings,
+                learned.hidden_states or (), taught.hidden_states or (),
+            ) / settings.grad_accum
         last = micro == settings.grad_accum - 1
         with nullcontext() if last else accelerator.no_sync(student):
             accelerator.backward(loss)

@@ -101,6 +101,8 @@ def finish_surgery(
         from attnsurg.heal import heal_model, heal_state_dir
 
         report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed, heal_state_dir(request.output))
+        if not is_main_process():  # under `accelerate launch`, one process scores and writes
+            return
     if request.eval_tokens:
         report.ppl_before, report.ppl_after = perplexity_before_after(
             surgery.model, result, surgery.tokenizer, request.calibration, request.eval_tokens, anatomy
@@ -113,6 +115,12 @@ def finish_surgery(
     if getattr(report, "heal", None) is not None:
         add_healing(info, report.heal, recipe.heal)
     report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, info, request.overwrite, extra_files=files))
+
+
+def is_main_process() -> bool:
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
 
 
 def healing_note(report) -> str:

@@ -165,7 +165,8 @@ class LokiSettings(Strict):
 
 
 class HealSettings(Strict):
-    """``heal``: distill the teacher's next-token distribution into the student on text.
+    """``heal``: distill the teacher's next-token distribution (and optionally its residual stream after
+    every layer, ``hidden_weight``) into the student on text.
 
     ``tokens`` is the training budget (optimizer steps = tokens / (seq_len x batch_size x grad_accum x
     processes)). ``train: attention`` trains only the attention modules (less any value a conversion
@@ -184,6 +185,7 @@ class HealSettings(Strict):
     warmup: float = Field(0.05, ge=0, lt=1)
     kl_weight: float = Field(1.0, ge=0)
     lm_weight: float = Field(0.0, ge=0)
+    hidden_weight: float = Field(0.0, ge=0)
     temperature: float = Field(1.0, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
     train: Literal["attention", "all"] = "attention"
@@ -194,8 +196,8 @@ class HealSettings(Strict):
 
     @model_validator(mode="after")
     def _some_loss(self) -> HealSettings:
-        if self.kl_weight == 0 and self.lm_weight == 0:
-            raise ValueError("kl_weight and lm_weight are both 0: nothing to train on")
+        if self.kl_weight == 0 and self.lm_weight == 0 and self.hidden_weight == 0:
+            raise ValueError("kl_weight, lm_weight and hidden_weight are all 0: nothing to train on")
         return self
 
     @field_validator("data")

@@ -22,6 +22,7 @@ from attnsurg.pipeline import (
     add_healing,
     base_model_id,
     command_line,
+    is_main_process,
     load_source,
     peak_memory_gb,
     to_source_dtype,
@@ -89,6 +90,8 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> 
         held_out = recipe_eval_windows(tokenizer, recipe, anatomy)
         report.ppl_teacher, report.ppl_before = perplexity_of(teacher, *held_out), perplexity_of(student, *held_out)
     report.heal = heal_model(student, teacher, tokenizer, settings, recipe.seed, heal_state_dir(recipe.output))
+    if not is_main_process():  # under `accelerate launch`, one process scores and writes
+        return report
     if held_out is not None:
         report.ppl_after = perplexity_of(student, *held_out)
     to_source_dtype(student, anatomy)

@@ -94,6 +94,16 @@ def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_fil
     bad = CliRunner().invoke(app, ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "loki", "--rank", "99",
                                    "--top-k", "8", "-o", str(tmp_path / "never")])
     assert bad.exit_code == 2 and len(bad.output.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
+    evaluated = CliRunner().invoke(app, ["eval", "perplexity", str(tiny_checkpoints["llama-gqa"]), str(out), "--text",
+                                         str(corpus_file), "--max-length", "64", "--max-tokens", "256", "--json"])
+    assert evaluated.exit_code == 0, evaluated.output
+    original, loki = json.loads(evaluated.stdout)["results"]
+    assert original["top_k_recall"] is None and original["surgery"] is None
+    assert loki["surgery"] == "loki: rank 4 of head dim 16, top-k 0.25 of each query's context, post-rope basis"
+    assert 0 < loki["top_k_recall"] < 1
+    table = CliRunner().invoke(app, ["eval", "perplexity", str(out), "--text", str(corpus_file), "--max-length", "64",
+                                     "--max-tokens", "128"])
+    assert "top-k recall" in table.output
 
 
 def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):

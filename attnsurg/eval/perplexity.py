@@ -67,6 +67,8 @@ class ModelResult:
     tokens_per_second: float
     tokens_fingerprint: str
     ratio: float = 1.0
+    surgery: str | None = None  # the method's settings, for attnsurg checkpoints
+    top_k_recall: float | None = None  # Loki: share of the exact top-k keys selected, on the first window
 
 
 @dataclass
@@ -185,6 +187,7 @@ def evaluate_model(model_ref: ModelRef, request: PerplexityEval, text: Text) -> 
         model = load_model(source, dtype, device, model_ref.trust_remote_code, model_ref.allow_pickle)
     dtype_name = str(dtype).removeprefix("torch.")
     score = score_windows(model, tokens.ids, windows, request.batch_size, device, model_ref.ref)
+    recall = loki_recall(model, tokens.ids, windows[0])
     del model
     gc.collect()
     return ModelResult(
@@ -204,7 +207,32 @@ def evaluate_model(model_ref: ModelRef, request: PerplexityEval, text: Text) -> 
         seconds=score.seconds,
         tokens_per_second=score.tokens_fed / score.seconds if score.seconds else float("nan"),
         tokens_fingerprint=tokens.fingerprint,
+        surgery=surgery_settings(config),
+        top_k_recall=recall,
     )
+
+
+def surgery_settings(config) -> str | None:
+    """One line on what attnsurg did to a checkpoint, from ``config.attnsurg``."""
+    record = getattr(config, "attnsurg", None)
+    if not record:
+        return None
+    if record.get("loki"):
+        loki = record["loki"]
+        top_k = f"{loki['top_k']:g} of each query's context" if isinstance(loki["top_k"], float) else f"{loki['top_k']} keys"
+        return f"loki: rank {loki['rank']} of head dim {config.head_dim}, top-k {top_k}, {loki['basis']} basis"
+    return record.get("method")
+
+
+@torch.inference_mode()
+def loki_recall(model: PreTrainedModel, ids: torch.Tensor, window: Window) -> float | None:
+    """For a Loki model, the top-k recall on the first evaluation window (None for other models)."""
+    from attnsurg.methods.loki import has_loki, top_k_recall
+
+    if not has_loki(model):
+        return None
+    with ui.status("Measuring top-k recall..."):
+        return top_k_recall(model, ids[window.begin : window.end][None])
 
 
 def eval_windows(tokenizer, data: TextData, max_length: int, max_tokens: int) -> tuple[Tokens, list[Window]]:

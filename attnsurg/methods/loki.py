@@ -100,6 +100,12 @@ def apply_loki(source: PreTrainedModel, family: Family, stats: list[InputStatist
 
 
 @torch.no_grad()
+def has_loki(model: PreTrainedModel) -> bool:
+    from attnsurg.modeling.modeling_attnsurg import LokiAttention
+
+    return any(isinstance(m, LokiAttention) for m in model.modules())
+
+
 def top_k_recall(model: PreTrainedModel, windows: torch.Tensor) -> float:
     """Mean fraction of the exact top-k keys (by full q . k) that the rank-r scores select, over every
     query, head and layer of the windows."""

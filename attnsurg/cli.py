@@ -324,7 +324,7 @@ def convert(
         raise UserError("missing --output/-o: the directory to write the converted checkpoint to")
     request = ConvertMLA(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
-        output=output or Path("."),
+        output=output or Path("OUT"),  # a dry run writes nothing
         kv_budget=kv_budget,
         kv_rank=kv_rank,
         rope_dim=rope_dim,
@@ -456,7 +456,7 @@ def compress(
         raise UserError("missing --output/-o: the directory to write the compressed checkpoint to")
     common = dict(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
-        output=output or Path("."),
+        output=output or Path("OUT"),  # a dry run writes nothing
         method=method,
         targets=parse_targets(targets),
         ratio=ratio,
@@ -587,6 +587,8 @@ def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_out
     from attnsurg.pipeline import is_main_process
     from attnsurg.run import run_recipe
 
+    if print_recipe and json_output:
+        raise UserError("--print-recipe and --json both write to stdout; pass one of them")
     if print_recipe:
         print(dump_recipe(recipe), end="")
         if dry_run:
@@ -669,6 +671,7 @@ def recipe_step_label(step) -> str:
 
 
 @recipe_app.command("list")
+@user_errors
 def recipe_list(json_output: JsonFlag = False) -> None:
     """The recipes that ship in recipes/: name, what they do, and their steps."""
     from attnsurg.io.recipe_file import SHIPPED_DIR, load_recipe, shipped_recipes
@@ -703,9 +706,9 @@ def heal(
     text: Annotated[Optional[Path], typer.Option("--text", help="A UTF-8 file to train on instead (used whole).")] = None,
     tokens: Annotated[int, typer.Option("--tokens", help="Training tokens (the budget).")] = 100_000,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training window.")] = 512,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per micro-batch (per process).")] = 4,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per micro-batch (per process).")] = 1,
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")] = 1,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).")] = 2e-4,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).")] = 2.5e-4,
     schedule: Annotated[str, typer.Option("--schedule", help="cosine, linear or constant (after warmup).")] = "cosine",
     warmup: Annotated[float, typer.Option("--warmup", help="Fraction of the steps spent warming up.")] = 0.05,
     kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of KL(teacher || student).")] = 1.0,
@@ -715,7 +718,9 @@ def heal(
     ] = 0.0,
     temperature: Annotated[float, typer.Option("--temperature", help="Distillation temperature.")] = 1.0,
     train: Annotated[str, typer.Option("--train", help="attention (the new or changed attention parameters) or all.")] = "attention",
-    eval_every: Annotated[int, typer.Option("--eval-every", help="Held-out ppl every N steps (0: only at the end).")] = 0,
+    eval_every: Annotated[
+        int, typer.Option("--eval-every", help="Held-out ppl (on --eval-tokens) every N steps (0: only at the end).")
+    ] = 0,
     save_every: Annotated[int, typer.Option("--save-every", help="Save resumable state every N steps.")] = 25,
     mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="auto (bf16 on a GPU), no, bf16, fp16.")] = "auto",
     calib_dataset: CalibDataset = "wiki-sample",
@@ -741,10 +746,11 @@ def heal(
         data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
         schedule=schedule, warmup=warmup, kl_weight=kl_weight, lm_weight=lm_weight, hidden_weight=hidden_weight, temperature=temperature,
         train=train, eval_every=eval_every, save_every=save_every, mixed_precision=mixed_precision,
+        eval_tokens=eval_tokens if eval_tokens > 1 else HealSettings.model_fields["eval_tokens"].default,
     )
     recipe = Recipe(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
-        output=output or Path("."),
+        output=output or Path("OUT"),  # a dry run writes nothing
         steps=[HealStep(heal=settings)],
         calibration=Calibration(data=TextData(dataset=calib_dataset, part="calib")),
         eval=Evaluation(tokens=eval_tokens),

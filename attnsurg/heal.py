@@ -13,6 +13,7 @@ Batches are a pure function of (seed, step), so a run that resumes from its save
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from transformers import PreTrainedModel, get_scheduler
+from transformers import PreTrainedModel
 
 from attnsurg import ui
 from attnsurg.data import load_text
@@ -36,7 +37,6 @@ from attnsurg.methods.mla import hold_norm_channel, norm_channel_of
 from attnsurg.recipe import HealSettings, TextData
 
 STATE_MARKER = "heal.json"
-SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
 @dataclass
@@ -104,6 +104,7 @@ def training_windows(tokenizer, data: TextData, seq_len: int) -> torch.Tensor:
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
+@functools.lru_cache(maxsize=4)
 def window_order(n: int, epoch: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=generator)
@@ -142,46 +143,82 @@ def distillation_loss(
     return loss
 
 
+# ------------------------------------------------------------------------------ learning rate
+def lr_factor(step: int, steps: int, warmup: int, schedule: str) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (0-based): linear warmup that is
+    already non-zero at the first step, then cosine, linear or constant to the last step."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+
+
 # ------------------------------------------------------------------------------ resumable state
-def fingerprint(settings: HealSettings, seed: int, student: PreTrainedModel, trainable: int) -> str:
-    """Identifies a run: resuming with other settings or another student would mix two runs."""
-    record = json.dumps([settings.model_dump(mode="json"), seed, trainable,
-                         sum(p.numel() for p in student.parameters())], sort_keys=True)
+def weights_digest(parameters: list[torch.nn.Parameter]) -> str:
+    digest = hashlib.sha256()
+    for p in parameters:
+        digest.update(p.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(settings: HealSettings, seed: int, processes: int, precision: str, start_weights: str) -> str:
+    """Identifies a run: its settings (less how often it saves and scores), seed, process count, precision
+    and the student's starting weights. Resuming anything else would mix two runs."""
+    kept = settings.model_dump(mode="json", exclude={"save_every", "eval_every", "eval_tokens"})
+    record = json.dumps([kept, seed, processes, precision, start_weights], sort_keys=True)
     return hashlib.sha256(record.encode()).hexdigest()[:16]
 
 
-def saved_steps(state_dir: Path) -> list[tuple[int, Path, str]]:
+def saved_steps(state_dir: Path) -> list[tuple[int, Path, dict]]:
     """Complete saved states (the marker is written last), oldest first."""
     found = []
     for marker in state_dir.glob(f"step-*/{STATE_MARKER}"):
         record = json.loads(marker.read_text())
-        found.append((record["step"], marker.parent, record["fingerprint"]))
-    return sorted(found)
+        found.append((record["step"], marker.parent, record))
+    return sorted(found, key=lambda entry: entry[0])
 
 
-def resume_step(accelerator: Accelerator, state_dir: Path, run_id: str) -> int:
+def resume_step(accelerator: Accelerator, state_dir: Path, run_id: str, scheduler) -> int:
     states = saved_steps(state_dir) if state_dir.is_dir() else []
     if not states:
         return 0
-    step, path, saved_id = states[-1]
-    if saved_id != run_id:
+    step, path, record = states[-1]
+    if record["fingerprint"] != run_id:
         raise UserError(
             f"'{state_dir}' holds the state of a heal run with other settings or another student; "
             "rerun with the same settings to resume, or delete that directory to start over"
         )
-    accelerator.load_state(str(path))
-    ui.info(f"resuming healing from step {step} ({path})")
+    accelerator.load_state(str(path))  # safetensors weights and a weights-only optimizer load
+    scheduler.load_state_dict(record["scheduler"])  # kept as JSON: nothing here is unpickled
+    info(accelerator, f"resuming healing from step {step} ({path})")
     return step
 
 
-def save_step(accelerator: Accelerator, state_dir: Path, step: int, run_id: str) -> None:
+def save_step(accelerator: Accelerator, state_dir: Path, step: int, run_id: str, scheduler) -> None:
     path = state_dir / f"step-{step:08d}"
     accelerator.save_state(str(path))
+    accelerator.wait_for_everyone()  # every process has written its part before the marker says complete
     if accelerator.is_main_process:
-        (path / STATE_MARKER).write_text(json.dumps({"step": step, "fingerprint": run_id}))
+        record = {"step": step, "fingerprint": run_id, "scheduler": scheduler.state_dict()}
+        (path / STATE_MARKER).write_text(json.dumps(record))
         for _, older, _ in saved_steps(state_dir)[:-1]:
             shutil.rmtree(older, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def remove_heal_state(state_dir: Path) -> None:
+    """Called once the healed checkpoint is written: until then an interrupted run can resume."""
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def info(accelerator: Accelerator, message: str) -> None:
+    if accelerator.is_main_process:
+        ui.info(message)
 
 
 # ------------------------------------------------------------------------------------ training
@@ -201,8 +238,9 @@ def heal_model(
     state_dir: Path,
     on_step: Callable[[int], None] | None = None,
 ) -> HealReport:
-    """Train ``student`` in place toward ``teacher``; returns what happened. ``state_dir`` is removed after
-    a run that finishes; an interrupted run leaves it, and the same call resumes from it."""
+    """Train ``student`` in place toward ``teacher``; returns what happened. State is saved in ``state_dir``
+    every ``save_every`` steps and at the end; started again with the same arguments, it resumes there.
+    The caller removes it (``remove_heal_state``) once the result is safely written."""
     accelerator = make_accelerator(settings)
     windows = training_windows(tokenizer, settings.data, settings.seq_len)
     held_out = held_out_windows(tokenizer, settings) if settings.eval_every else None
@@ -211,19 +249,20 @@ def heal_model(
     tokens_per_step = settings.seq_len * micro_batch * settings.grad_accum
     steps = max(1, settings.tokens // tokens_per_step)
     report = HealReport(steps, tokens_per_step, sum(p.numel() for p in trainable))
+    run_id = fingerprint(settings, seed, accelerator.num_processes, accelerator.mixed_precision, weights_digest(trainable))
 
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    scheduler = get_scheduler(SCHEDULES[settings.schedule], optimizer, math.ceil(settings.warmup * steps), steps)
+    warmup = min(math.ceil(settings.warmup * steps), steps - 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(i, steps, warmup, settings.schedule))
     student, optimizer = accelerator.prepare(student, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     teacher.to(accelerator.device).eval().requires_grad_(False)
-    run_id = fingerprint(settings, seed, accelerator.unwrap_model(student), report.trainable_parameters)
-    report.resumed_from = start = resume_step(accelerator, state_dir, run_id)
+    report.resumed_from = start = resume_step(accelerator, state_dir, run_id, scheduler)
 
     started = time.perf_counter()
     student.train()
-    with ui.progress_bar("Healing", total=steps, unit="steps") as advance:
+    bar = ui.progress_bar("Healing", total=steps, unit="steps") if accelerator.is_main_process else nullcontext(lambda *a, **k: None)
+    with bar as advance:
         advance(start)
         for step in range(start, steps):
             loss = train_step(accelerator, student, teacher, optimizer, scheduler, windows, settings, seed, step, trainable)
@@ -232,24 +271,22 @@ def heal_model(
             advance(1, note=f"loss {loss:.4f}, {rate:,.0f} tok/s")
             if held_out is not None and (step + 1) % settings.eval_every == 0:
                 report.evals.append((step + 1, evaluate(accelerator, student, held_out)))
-                ui.info(f"step {step + 1}/{steps}: loss {loss:.4f}, held-out ppl {report.evals[-1][1]:.3f}")
-            if (step + 1) % settings.save_every == 0 and step + 1 < steps:
-                save_step(accelerator, state_dir, step + 1, run_id)
+                info(accelerator, f"step {step + 1}/{steps}: loss {loss:.4f}, held-out ppl {report.evals[-1][1]:.3f}")
+            if (step + 1) % settings.save_every == 0 or step + 1 == steps:
+                save_step(accelerator, state_dir, step + 1, run_id, scheduler)
             if on_step is not None:
                 on_step(step + 1)
     report.seconds = time.perf_counter() - started
     accelerator.wait_for_everyone()
-    student = accelerator.unwrap_model(student).eval()
+    student = accelerator.unwrap_model(student, keep_fp32_wrapper=False).eval()
     student.requires_grad_(False)
     accelerator.free_memory()
-    if accelerator.is_main_process:
-        shutil.rmtree(state_dir, ignore_errors=True)
     return report
 
 
 def train_step(accelerator, student, teacher, optimizer, scheduler, windows, settings, seed, step, trainable) -> float:
-    """One optimizer step over ``grad_accum`` micro-batches; returns the step's mean loss (this process)."""
-    total = 0.0
+    """One optimizer step over ``grad_accum`` micro-batches; returns the step's mean loss."""
+    total = torch.zeros((), device=accelerator.device)
     for micro in range(settings.grad_accum):
         position = ((step * settings.grad_accum + micro) * accelerator.num_processes + accelerator.process_index)
         rows = batch_indices(len(windows), position * settings.batch_size, settings.batch_size, seed)
@@ -266,12 +303,12 @@ def train_step(accelerator, student, teacher, optimizer, scheduler, windows, set
         last = micro == settings.grad_accum - 1
         with nullcontext() if last else accelerator.no_sync(student):
             accelerator.backward(loss)
-        total += loss.item()
+        total += loss.detach()
     accelerator.clip_grad_norm_(trainable, settings.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return accelerator.reduce(total, reduction="mean").item()  # the step's loss over every process
 
 
 def held_out_windows(tokenizer, settings: HealSettings):

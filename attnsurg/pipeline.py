@@ -115,6 +115,10 @@ def finish_surgery(
     if getattr(report, "heal", None) is not None:
         add_healing(info, report.heal, recipe.heal)
     report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, info, request.overwrite, extra_files=files))
+    if recipe.heal is not None:
+        from attnsurg.heal import heal_state_dir, remove_heal_state
+
+        remove_heal_state(heal_state_dir(request.output))
 
 
 def is_main_process() -> bool:

@@ -178,9 +178,9 @@ class HealSettings(Strict):
     data: TextData = TextData(dataset="wiki-sample", part="calib")
     tokens: int = Field(100_000, gt=0)
     seq_len: int = Field(512, gt=1)
-    batch_size: int = Field(4, gt=0)
+    batch_size: int = Field(1, gt=0)
     grad_accum: int = Field(1, gt=0)
-    lr: float = Field(2e-4, gt=0)
+    lr: float = Field(2.5e-4, gt=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup: float = Field(0.05, ge=0, lt=1)
     kl_weight: float = Field(1.0, ge=0)
@@ -203,7 +203,9 @@ class HealSettings(Strict):
     @field_validator("data")
     @classmethod
     def _calibration_part(cls, data: TextData) -> TextData:
-        return data if data.text else data.model_copy(update={"part": "calib"})
+        if data.dataset and data.part != "calib":
+            raise ValueError("healing trains on a dataset's calibration part (part: calib); the eval part is for scoring")
+        return data
 
 
 # ------------------------------------------------------------------------------- requests (one command)
@@ -229,7 +231,24 @@ REQUEST_FOR = {MLASettings: ConvertMLA, LowRankSettings: CompressLowRank, HeadTe
 
 
 # ------------------------------------------------------------------------------------------- recipes
-CompressSettings = Annotated[LowRankSettings | HeadTensorSettings | LokiSettings, Field(discriminator="method")]
+COMPRESS_METHODS = ("svd", "asvd", "svdllm", "tucker", "cp", "loki")
+
+
+def compress_method(value) -> str | None:
+    method = value.get("method") if isinstance(value, dict) else getattr(value, "method", None)
+    return {"svd": "lowrank", "asvd": "lowrank", "svdllm": "lowrank", "tucker": "tensor", "cp": "tensor",
+            "loki": "loki"}.get(method)
+
+
+CompressSettings = Annotated[
+    Union[Annotated[LowRankSettings, Tag("lowrank")], Annotated[HeadTensorSettings, Tag("tensor")],
+          Annotated[LokiSettings, Tag("loki")]],
+    Discriminator(
+        compress_method,
+        custom_error_type="compress_method",
+        custom_error_message="compress needs method: one of " + ", ".join(COMPRESS_METHODS),
+    ),
+]
 
 
 class ConvertStep(Strict):
@@ -295,6 +314,8 @@ class Recipe(Strict):
             raise ValueError("a recipe holds at most one heal step")
         if not surgeries and self.heal.teacher is None:
             raise ValueError("a heal-only recipe names its teacher (steps[0].heal.teacher): the original model")
+        if surgeries and self.heal is not None and self.heal.teacher is not None:
+            raise ValueError("after a surgery step the source model is the teacher; remove heal.teacher")
         return self
 
     @property

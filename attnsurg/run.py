@@ -11,7 +11,7 @@ from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
-from attnsurg.heal import HealReport, heal_model, heal_state_dir
+from attnsurg.heal import HealReport, heal_model, heal_state_dir, remove_heal_state
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
@@ -102,6 +102,7 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> 
         files[MODELING_FILE.name] = MODELING_FILE.read_text(encoding="utf-8")
     card = heal_card(recipe, report)
     report.written = str(write_checkpoint(student, tokenizer, recipe.output, card, overwrite, extra_files=files))
+    remove_heal_state(heal_state_dir(recipe.output))
     return report
 
 

@@ -1,7 +1,7 @@
 """Healing after MLA conversion: ppl ratio to the original before and after distillation, in one run.
 
     python benchmarks/heal_budget.py [--budget 0.25] [--tokens 100000] [--windows 4] [--student DIR]
-                                     [--lr 5e-4] [--batch-size 4] [--seq-len 512] [--hidden-weight 0] [--train attention]
+                                     [--lr 2.5e-4] [--batch-size 1] [--seq-len 512] [--hidden-weight 0] [--train attention]
 
 Converts the demo model in memory (default conversion settings; or loads an already converted --student),
 scores the original and the student on the first WINDOWS x 1024 tokens of wiki-sample's eval part, heals
@@ -34,8 +34,8 @@ def main() -> None:
     parser.add_argument("--student", default=None, help="an already converted checkpoint (skips the conversion)")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=100_000)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2.5e-4)
+    parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--hidden-weight", type=float, default=0.0)
     parser.add_argument("--lm-weight", type=float, default=0.0)

@@ -8,7 +8,7 @@ MODEL=${MODEL:-smollm2-135m}
 OUT=${OUT:-out/example-mla-25}
 TOKENS=${TOKENS:-100000}
 CALIB=${CALIB:---calib-dataset wiki-sample}
-HEAL=${HEAL:---lr 5e-4 --eval-every 12 --eval-tokens 4096}
+HEAL=${HEAL:---eval-every 48 --eval-tokens 4096}
 
 attnsurg convert "$MODEL" --to mla --kv-budget 0.25 -o "$OUT" --overwrite $CALIB
 attnsurg heal "$OUT" --teacher "$MODEL" -o "$OUT-healed" --tokens "$TOKENS" --overwrite $HEAL

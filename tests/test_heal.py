@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
-from attnsurg.heal import batch_indices, distillation_loss, heal_model, select_trainable
+from attnsurg.heal import batch_indices, distillation_loss, heal_model, lr_factor, select_trainable
 from attnsurg.methods.mla import convert, norm_channel_of, plan_mla
 from attnsurg.recipe import HealSettings, TextData
 
@@ -53,7 +53,26 @@ def test_a_few_steps_reduce_the_distillation_loss(teacher_and_tokenizer, corpus_
     after = loss_on(student, teacher, ids, heal)
     assert report.steps == 16 and len(report.losses) == 16
     assert after < 0.8 * before, (before, after)
-    assert not (tmp_path / "state").exists()  # a finished run leaves no state behind
+
+
+def test_a_finished_run_started_again_trains_nothing_more(teacher_and_tokenizer, corpus_file, tmp_path):
+    """The last step is saved too, so a run whose checkpoint could not be written resumes at its end."""
+    teacher, tokenizer = teacher_and_tokenizer
+    heal = settings(corpus_file, tokens=32 * 2 * 3)
+    first = mla_student(teacher)
+    heal_model(first, teacher, tokenizer, heal, seed=0, state_dir=tmp_path / "s")
+    again = mla_student(teacher)
+    report = heal_model(again, teacher, tokenizer, heal, seed=0, state_dir=tmp_path / "s")
+    assert report.resumed_from == report.steps == 3 and not report.losses
+    for a, b in zip(first.parameters(), again.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_learning_rate_schedule():
+    assert lr_factor(0, 10, 2, "cosine") > 0  # the first step already learns
+    assert lr_factor(1, 10, 2, "cosine") < lr_factor(2, 10, 2, "cosine") == 1.0
+    assert lr_factor(9, 10, 2, "cosine") < lr_factor(5, 10, 2, "cosine") < 1.0
+    assert lr_factor(9, 10, 0, "constant") == 1.0 and lr_factor(5, 10, 0, "linear") == 0.5
 
 
 def test_training_touches_attention_only_and_holds_the_norm_channel(teacher_and_tokenizer, corpus_file, tmp_path):
@@ -118,6 +137,8 @@ def test_resuming_with_other_settings_is_refused(teacher_and_tokenizer, corpus_f
     with pytest.raises(UserError, match="other settings"):
         heal_model(mla_student(teacher), teacher, tokenizer, heal.model_copy(update={"lr": 1e-3}), seed=0,
                    state_dir=tmp_path / "s")
+    with pytest.raises(UserError, match="another student"):  # the same settings from other starting weights
+        heal_model(mla_student(teacher, budget=0.5), teacher, tokenizer, heal, seed=0, state_dir=tmp_path / "s")
 
 
 def test_batches_are_a_function_of_seed_and_position():

@@ -13,10 +13,28 @@ import yaml
 from pydantic import ValidationError
 
 from attnsurg.errors import UserError
-from attnsurg.recipe import Recipe
+from attnsurg.recipe import COMPRESS_METHODS, Recipe
 
 RECIPE_FILE = "attnsurg_recipe.yaml"
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+
+class DuplicateKey(Exception):
+    def __init__(self, key, line: int):
+        self.key, self.line = key, line
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping (the second would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def dump_recipe(recipe: Recipe) -> str:
@@ -29,7 +47,9 @@ def dump_recipe(recipe: Recipe) -> str:
 def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=UniqueKeyLoader)
+    except DuplicateKey as exc:
+        raise UserError(f"{name}:{exc.line}: key '{exc.key}' appears twice in one mapping") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{name}:{mark.line + 1}" if mark else name
@@ -41,9 +61,12 @@ def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = input_path(first["loc"], data)
-        if first["type"] == "union_tag_invalid":  # an unknown method: point at its key
-            loc = input_path(first["loc"][:-1], data) + (first["ctx"]["discriminator"].strip("'"),)
-            first["msg"] = f"unknown method {first['ctx']['tag']!r}; choose from {first['ctx']['expected_tags']}"
+        if first["type"] == "compress_method":  # a missing or unknown method: point at the step or its key
+            loc = input_path(first["loc"][:-1], data)
+            method = value_at(data, loc).get("method") if isinstance(value_at(data, loc), dict) else None
+            if method is not None:
+                loc += ("method",)
+                first["msg"] = f"unknown method {method!r}; choose from {', '.join(COMPRESS_METHODS)}"
         line = line_of(root, loc)
         where = f"{name}:{line}" if line else name
         field = format_loc(loc)
@@ -81,6 +104,8 @@ def input_path(loc: tuple, data) -> tuple:
     (``steps.0.compress.compress.tucker.ratio``), which name no key of the file; keep only what does."""
     path, node = [], data
     for i, part in enumerate(loc):
+        if not isinstance(node, (dict, list)):
+            break  # a scalar: what follows names the types it failed to be
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and part < len(node):
@@ -89,6 +114,12 @@ def input_path(loc: tuple, data) -> tuple:
             continue
         path.append(part)
     return tuple(path)
+
+
+def value_at(data, loc: tuple):
+    for part in loc:
+        data = data[part]
+    return data
 
 
 def format_loc(loc: tuple) -> str:

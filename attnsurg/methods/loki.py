@@ -99,13 +99,13 @@ def apply_loki(source: PreTrainedModel, family: Family, stats: list[InputStatist
     return assemble_factorized(source, family, plan.surgery(), {}, added=replaced)
 
 
-@torch.no_grad()
 def has_loki(model: PreTrainedModel) -> bool:
     from attnsurg.modeling.modeling_attnsurg import LokiAttention
 
     return any(isinstance(m, LokiAttention) for m in model.modules())
 
 
+@torch.no_grad()
 def top_k_recall(model: PreTrainedModel, windows: torch.Tensor) -> float:
     """Mean fraction of the exact top-k keys (by full q . k) that the rank-r scores select, over every
     query, head and layer of the windows."""

@@ -446,8 +446,8 @@ def hold_norm_channel(attention: DeepseekV3Attention, rank: int) -> None:
         attention.q_a_layernorm.requires_grad_(False)
     keep = torch.ones(attention.kv_a_proj_with_mqa.weight.shape[0], 1, device=attention.kv_a_proj_with_mqa.weight.device)
     keep[rank] = 0
-    attention.kv_a_proj_with_mqa.weight.register_hook(lambda g: g * keep.to(g.dtype))
-    attention.kv_a_proj_with_mqa.bias.register_hook(lambda g: g * keep[:, 0].to(g.dtype))
+    attention.kv_a_proj_with_mqa.weight.register_hook(lambda g: g * keep.to(device=g.device, dtype=g.dtype))
+    attention.kv_a_proj_with_mqa.bias.register_hook(lambda g: g * keep[:, 0].to(device=g.device, dtype=g.dtype))
 
 
 def freeze_norm_channel(attention: DeepseekV3Attention, rank: int) -> list[torch.nn.Parameter]:

@@ -226,7 +226,8 @@ def make_accelerator(settings: HealSettings) -> Accelerator:
     precision = settings.mixed_precision
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return Accelerator(mixed_precision=precision)
+    # cpu=True where there is no GPU: that is what lets torchrun / mpirun processes form a multi-CPU group
+    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
 
 
 def heal_model(

@@ -182,3 +182,23 @@ def test_cli_refuses_mismatched_vocabularies(tiny_checkpoints, tmp_path, tokeniz
                                       "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "vocabularies differ" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_two_processes_share_the_steps_and_one_writes(tiny_checkpoints, corpus_file, tmp_path):
+    """Under torchrun (what `accelerate launch` starts), two CPU processes form one group: half the steps
+    for the same tokens, and only the main process writes and reports."""
+    import subprocess
+    import sys
+
+    student = tmp_path / "student"
+    convert_args = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "mla", "--kv-budget", "0.25",
+                    "--refine-steps", "0", "--calib-text", str(corpus_file), "--calib-tokens", "512",
+                    "--eval-tokens", "0", "-o", str(student)]
+    assert CliRunner().invoke(app, convert_args).exit_code == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnsurg", "heal",
+               str(student), "--teacher", str(tiny_checkpoints["llama-gqa"]), "--text", str(corpus_file),
+               "--tokens", "1024", "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "0", "-o", str(tmp_path / "healed")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("healed 8 steps (1,024 tokens)") == 1, result.stdout
+    assert (tmp_path / "healed" / "config.json").is_file()

@@ -423,6 +423,10 @@ def compress(
         Optional[str], typer.Option("--top-k", help="Loki: keys kept per query, a count (64) or a fraction of the context (0.25, 1/4).")
     ] = None,
     basis: Annotated[str, typer.Option("--basis", help="Loki: PCA of post-rope (default) or pre-rope keys.")] = "post-rope",
+    variance: Annotated[
+        Optional[float],
+        typer.Option("--variance", help="Loki: per-layer ranks keeping this share of the key variance (instead of --rank)."),
+    ] = None,
     kv_latent: Annotated[
         bool, typer.Option("--kv-latent", help="k and v share one cached latent per layer (a real KV-cache saving; --targets k,v).")
     ] = False,
@@ -473,11 +477,11 @@ def compress(
                                 "--weighted/--unweighted": weighted is not None})
         common.pop("targets"), common.pop("ratio")
         parsed = parse_top_k(top_k) if top_k is not None else None
-        request = CompressLoki(**common, rank=rank, top_k=parsed, basis=basis)
+        request = CompressLoki(**common, rank=rank, variance=variance, top_k=parsed, basis=basis)
         execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)
         return
-    if top_k is not None or basis != "post-rope":
-        raise UserError(f"--top-k and --basis are for --method loki, not {method}")
+    if top_k is not None or basis != "post-rope" or variance is not None:
+        raise UserError(f"--top-k, --basis and --variance are for --method loki, not {method}")
     if method in TENSOR_METHODS:
         reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate})
         if method == "tucker" and rank is not None:
@@ -522,14 +526,15 @@ def print_compress_report(model: str, report, dry_run: bool, json_output: bool) 
 
 def print_loki_report(model: str, report, json_output: bool) -> None:
     plan = report.plan
-    record = {"rank": plan.rank, "top_k": plan.top_k, "basis": plan.basis, "written": report.written,
+    record = {"rank": plan.rank, "ranks": plan.layer_ranks(), "variance": plan.variance, "top_k": plan.top_k,
+              "basis": plan.basis, "written": report.written,
               "seconds": report.seconds, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
               "heal": heal_record(report.heal)}
     if json_output:
         print(json.dumps(record, indent=2))
         return
     top_k = f"{plan.top_k:g} of the context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
-    out.print(f"loki plan for {model}: every layer scores keys with {plan.rank} of {plan.head_dim} principal "
+    out.print(f"loki plan for {model}: every layer scores keys with {plan.rank_label()} of {plan.head_dim} principal "
               f"coordinates ({plan.basis} basis) and attends over the top {top_k}")
     if report.written:
         out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")

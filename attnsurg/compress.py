@@ -71,7 +71,7 @@ def rank_rows(plan: Plan, labels: bool = True) -> list[dict]:
 def plan_request(request: Request):
     source, _, anatomy = inspect_model(request.model)
     if isinstance(request, CompressLoki):
-        plan = plan_loki(anatomy, request.rank, request.top_k, request.basis)
+        plan = plan_loki(anatomy, request.rank, request.top_k, request.basis, request.variance)
     elif isinstance(request, CompressHeadTensor):
         plan = plan_head_tensor(anatomy, request.method, request.targets, request.ratio, request.ranks, request.weighted)
     else:
@@ -120,7 +120,7 @@ def loki_card(request: CompressLoki, report: CompressReport) -> CardInfo:
         figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",
                         "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
     return CardInfo(
-        title=f"{request.model.ref} with Loki top-k attention (rank {plan.rank}, top-k {top_k})",
+        title=f"{request.model.ref} with Loki top-k attention (rank {plan.rank_label()}, top-k {top_k})",
         summary=(
             "Every layer scores keys with their first principal coordinates and attends exactly over the best "
             "ones (Loki). The weights are the original's; the checkpoint adds one PCA basis per layer and KV head. "
@@ -129,7 +129,7 @@ def loki_card(request: CompressLoki, report: CompressReport) -> CardInfo:
         base_model=base_model_id(request.model.ref),
         command=command_line(),
         details=[
-            f"rank {plan.rank} of head dim {plan.head_dim}; top-k {top_k} (the current token always kept); "
+            f"rank {plan.rank_label()} of head dim {plan.head_dim}; top-k {top_k} (the current token always kept); "
             f"{plan.basis} key basis",
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; " + healing_note(report),
         ],

@@ -160,6 +160,7 @@ class LokiSettings(Strict):
 
     method: Literal["loki"] = "loki"
     rank: int | None = None
+    variance: float | None = None  # instead of rank: per-layer ranks keeping this share of the key variance
     top_k: int | float | None = None
     basis: Literal["post-rope", "pre-rope"] = "post-rope"
 

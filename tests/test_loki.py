@@ -16,11 +16,27 @@ from conftest import build_tiny
 from test_lowrank import VOCAB, held_out, logit_error
 
 
-def loki_model(model, family: str, rank: int, top_k, basis: str = "post-rope"):
+def loki_model(model, family: str, rank: int | None, top_k, basis: str = "post-rope", variance: float | None = None):
     windows = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
     fam = family_for_surgery(family)
     stats = input_statistics(model, attention_layers(model, fam), windows)
-    return apply_loki(model, fam, stats, plan_loki(inspect_config(model.config), rank, top_k, basis), 64)
+    return apply_loki(model, fam, stats, plan_loki(inspect_config(model.config), rank, top_k, basis, variance), 64)
+
+
+def layer_ranks(model) -> list[int]:
+    return [layer.self_attn.rank for layer in model.model.layers]
+
+
+def test_explained_variance_picks_per_layer_ranks_that_grow_with_the_threshold():
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    ranks = [layer_ranks(loki_model(model, "llama", None, 0.25, variance=v)) for v in (0.5, 0.8, 0.95)]
+    assert all(a <= b for low, high in zip(ranks, ranks[1:]) for a, b in zip(low, high))
+    assert ranks[0] != ranks[2] and all(1 <= r < 16 for r in ranks[1])
+    windows = held_out(5)
+    recalls = [top_k_recall(loki_model(model, "llama", None, 0.25, variance=v), windows) for v in (0.5, 0.95)]
+    assert recalls[0] < recalls[1]
+    full = loki_model(model, "llama", None, 1.0, variance=1.0)
+    assert layer_ranks(full) == [16, 16] and logit_error(full, model, held_out()) < 1e-4
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -104,6 +120,26 @@ def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_fil
     table = CliRunner().invoke(app, ["eval", "perplexity", str(out), "--text", str(corpus_file), "--max-length", "64",
                                      "--max-tokens", "128"])
     assert "top-k recall" in table.output
+
+
+def test_cli_variance_writes_per_layer_ranks_that_reload(tiny_checkpoints, corpus_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "loki"
+    args = ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "loki", "--variance", "0.9", "--top-k", "16",
+            "--calib-text", str(corpus_file), "--calib-tokens", "512", "--eval-tokens", "0", "-o", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    config = json.loads((out / "config.json").read_text())["attnsurg"]["loki"]
+    assert config["rank"] == record["ranks"] and len(config["rank"]) == 2 and config["variance"] == 0.9
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert [layer.self_attn.rank for layer in reloaded.model.layers] == config["rank"]
+    for extra, fragment in ((["--rank", "4"], "not both"), ([], "in (0, 1]")):
+        bad_args = ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "loki", "--top-k", "16", "-o",
+                    str(tmp_path / "never"), *extra, "--variance", "0.9" if extra else "1.5"]
+        bad = CliRunner().invoke(app, bad_args)
+        assert bad.exit_code == 2 and fragment in bad.output and not (tmp_path / "never").exists()
 
 
 def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):

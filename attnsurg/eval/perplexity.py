@@ -220,7 +220,10 @@ def surgery_settings(config) -> str | None:
     if record.get("loki"):
         loki = record["loki"]
         top_k = f"{loki['top_k']:g} of each query's context" if isinstance(loki["top_k"], float) else f"{loki['top_k']} keys"
-        return f"loki: rank {loki['rank']} of head dim {config.head_dim}, top-k {top_k}, {loki['basis']} basis"
+        rank = loki["rank"]
+        if isinstance(rank, list):
+            rank = f"{min(rank)}-{max(rank)} per layer ({loki['variance']:g} of the key variance)"
+        return f"loki: rank {rank} of head dim {config.head_dim}, top-k {top_k}, {loki['basis']} basis"
     return record.get("method")
 
 

@@ -34,15 +34,31 @@ register(MethodSpec(NAME, SUMMARY, unsupported_reason))
 
 @dataclass
 class LokiPlan:
-    rank: int
+    rank: int | None  # one rank for every layer, or None: per layer from ``variance``
     top_k: int | float  # a count, or a fraction of each query's context
     basis: str
     num_layers: int
     kv_heads: int
     head_dim: int
+    variance: float | None = None  # explained-variance threshold for per-layer ranks
+    ranks: list[int] | None = None  # per layer, once calibrated
+
+    def layer_ranks(self) -> list[int] | None:
+        return self.ranks if self.ranks is not None else [self.rank] * self.num_layers if self.rank else None
+
+    def rank_label(self) -> str:
+        ranks = self.layer_ranks()
+        if ranks is None:
+            return f"per layer, {self.variance:g} of the key variance"
+        spread = str(ranks[0]) if min(ranks) == max(ranks) else f"{min(ranks)}-{max(ranks)} (mean {sum(ranks) / len(ranks):.1f})"
+        return spread + (f", {self.variance:g} of the key variance" if self.variance else "")
 
     def surgery(self) -> dict:
-        return {"format": 1, "method": NAME, "loki": {"rank": self.rank, "top_k": self.top_k, "basis": self.basis}}
+        rank = self.rank if self.variance is None else self.ranks
+        record = {"rank": rank, "top_k": self.top_k, "basis": self.basis}
+        if self.variance is not None:
+            record["variance"] = self.variance
+        return {"format": 1, "method": NAME, "loki": record}
 
 
 def parse_top_k(text: str) -> int | float:
@@ -58,32 +74,52 @@ def parse_top_k(text: str) -> int | float:
     return value
 
 
-def plan_loki(anatomy: AttentionAnatomy, rank: int | None, top_k: int | float | None, basis: str = "post-rope") -> LokiPlan:
+def plan_loki(
+    anatomy: AttentionAnatomy, rank: int | None, top_k: int | float | None, basis: str = "post-rope",
+    variance: float | None = None,
+) -> LokiPlan:
     reason = unsupported_reason(anatomy)
     if reason:
         raise UserError(f"cannot apply loki to this model: {reason}")
     d = anatomy.head_dim
-    if rank is None or not 1 <= rank <= d:
-        raise UserError(f"--rank must be between 1 and the head dim {d}, got {rank}")
+    if rank is not None and variance is not None:
+        raise UserError("give --rank or --variance, not both")
+    if variance is not None and not 0 < variance <= 1:
+        raise UserError(f"--variance is the share of the key variance the scores keep, in (0, 1], got {variance}")
+    if variance is None and (rank is None or not 1 <= rank <= d):
+        raise UserError(f"--rank must be between 1 and the head dim {d}, got {rank} (or give --variance)")
     if top_k is None or isinstance(top_k, float) and not 0 < top_k <= 1 or isinstance(top_k, int) and top_k < 1:
         raise UserError(f"--top-k must be a count >= 1 or a fraction in (0, 1], got {top_k}")
     if basis not in BASES:
         raise UserError(f"--basis must be one of {', '.join(BASES)}, got '{basis}'")
     if anatomy.sliding_window:
         raise UserError("loki needs full attention in every layer; this model uses a sliding window")
-    return LokiPlan(rank, top_k, basis, anatomy.num_layers, anatomy.num_kv_heads, d)
+    return LokiPlan(rank, top_k, basis, anatomy.num_layers, anatomy.num_kv_heads, d, variance)
 
 
-def key_bases(attn, x: InputStatistics, kv_heads: int, inv_freq: torch.Tensor, seq_len: int, basis: str) -> torch.Tensor:
-    """[G, d, d]: per KV head, orthonormal columns ordered by key energy (post- or pre-RoPE)."""
-    bases = []
+def key_bases(
+    attn, x: InputStatistics, kv_heads: int, inv_freq: torch.Tensor, seq_len: int, basis: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[G, d, d]: per KV head, orthonormal columns ordered by key energy (post- or pre-RoPE), and [G, d]:
+    the energies (eigenvalues of the key second moment), largest first."""
+    bases, energies = [], []
     positions = torch.arange(seq_len, dtype=torch.float64)
     for K in head_moments(attn.k_proj.weight, attn.k_proj.bias, x.sigma, kv_heads):
         if basis == "post-rope":  # R_p K R_p^T = R_{-p}^T K R_{-p}
             K = rotation_average(K, inv_freq, -positions, torch.ones_like(positions))
         eigenvalues, eigenvectors = torch.linalg.eigh(K)
-        bases.append(eigenvectors[:, eigenvalues.argsort(descending=True)])
-    return torch.stack(bases)
+        order = eigenvalues.argsort(descending=True)
+        bases.append(eigenvectors[:, order])
+        energies.append(eigenvalues[order].clamp(min=0))
+    return torch.stack(bases), torch.stack(energies)
+
+
+def rank_for_variance(energies: torch.Tensor, variance: float) -> int:
+    """The smallest rank whose leading coordinates hold ``variance`` of every KV head's key energy
+    (Loki sec. 3: the rank at which the explained variance of the keys reaches a threshold)."""
+    explained = energies.cumsum(dim=1) / energies.sum(dim=1, keepdim=True)
+    per_head = (explained < variance - 1e-12).sum(dim=1) + 1
+    return int(per_head.max().clamp(max=energies.shape[1]))
 
 
 @torch.no_grad()
@@ -92,10 +128,13 @@ def apply_loki(source: PreTrainedModel, family: Family, stats: list[InputStatist
     inv_freq = source.get_submodule(family.rotary_path).inv_freq
     layers = source.get_submodule(family.layers_path)
     replaced: dict[str, torch.Tensor] = {}
+    ranks = []
     for index, (layer, x) in enumerate(zip(layers, stats)):
         attn = getattr(layer, family.attention_attr)
-        bases = key_bases(attn, x, plan.kv_heads, inv_freq, seq_len, plan.basis)
+        bases, energies = key_bases(attn, x, plan.kv_heads, inv_freq, seq_len, plan.basis)
         replaced[f"{family.layers_path}.{index}.{family.attention_attr}.loki_basis"] = bases
+        ranks.append(rank_for_variance(energies, plan.variance) if plan.variance is not None else plan.rank)
+    plan.ranks = ranks
     return assemble_factorized(source, family, plan.surgery(), {}, added=replaced)
 
 

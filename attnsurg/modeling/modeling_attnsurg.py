@@ -420,8 +420,9 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
     if loki:
         for index, layer in enumerate(layers):
             old = layer.self_attn
+            rank = loki["rank"][index] if isinstance(loki["rank"], list) else loki["rank"]  # per layer or one
             layer.self_attn = LokiAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
-                                            int(loki["rank"]), loki["top_k"])
+                                            int(rank), loki["top_k"])
     for index in surgery.get("factored_kv") or {}:
         layer = layers[int(index)]
         old = layer.self_attn

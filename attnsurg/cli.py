@@ -728,8 +728,9 @@ def heal(
     ] = 0,
     save_every: Annotated[int, typer.Option("--save-every", help="Save resumable state every N steps.")] = 25,
     mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="auto (bf16 on a GPU), no, bf16, fp16.")] = "auto",
-    calib_dataset: CalibDataset = "wiki-sample",
-    eval_tokens: EvalTokens = 2048,
+    eval_tokens: Annotated[
+        int, typer.Option("--eval-tokens", help="Tokens of the dataset's eval part (a --text file: its start) scored before/after (0: skip).")
+    ] = 2048,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
     overwrite: Overwrite = False,
@@ -757,7 +758,7 @@ def heal(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
         output=output or Path("OUT"),  # a dry run writes nothing
         steps=[HealStep(heal=settings)],
-        calibration=Calibration(data=TextData(dataset=calib_dataset, part="calib")),
+        calibration=Calibration(data=data),  # scoring reads its eval part
         eval=Evaluation(tokens=eval_tokens),
         seed=seed,
     )

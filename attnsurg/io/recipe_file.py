@@ -16,7 +16,19 @@ from attnsurg.errors import UserError
 from attnsurg.recipe import COMPRESS_METHODS, Recipe
 
 RECIPE_FILE = "attnsurg_recipe.yaml"
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def shipped_dir() -> Path:
+    """The shipped recipes: installed as ``attnsurg.recipes`` (from the source tree's ``recipes/``)."""
+    try:
+        import attnsurg.recipes as shipped
+
+        return Path(next(iter(shipped.__path__)))
+    except (ImportError, StopIteration):
+        return Path(__file__).resolve().parents[2] / "recipes"
+
+
+SHIPPED_DIR = shipped_dir()
 
 
 class DuplicateKey(Exception):

@@ -8,7 +8,8 @@ values a conversion holds fixed for exactness (the MLA latent-norm channel and q
 basis). The same code runs on the CPU, on one GPU in bf16 and under ``accelerate launch`` on several.
 
 Batches are a pure function of (seed, step), so a run that resumes from its saved state (accelerate's
-``save_state``/``load_state``, every ``save_every`` steps) reaches the same weights as one that never stopped.
+``save_state``/``load_state``, every ``save_every`` steps and at the end) reaches the same weights as one
+that never stopped.
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ def quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     huggingface_hub.utils.disable_progress_bars()
+    huggingface_hub.utils.logging.set_verbosity_error()  # retries against an unreachable hub end in one error line
 
 
 TrustRemoteCode = Annotated[
@@ -534,8 +535,14 @@ def print_loki_report(model: str, report, json_output: bool) -> None:
         print(json.dumps(record, indent=2))
         return
     top_k = f"{plan.top_k:g} of the context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
-    out.print(f"loki plan for {model}: every layer scores keys with {plan.rank_label()} of {plan.head_dim} principal "
-              f"coordinates ({plan.basis} basis) and attends over the top {top_k}")
+    if plan.rank is not None:
+        scoring = f"{plan.rank} of {plan.head_dim} principal coordinates"
+    else:
+        ranks = f"; ranks {plan.rank_label()}" if plan.ranks else " (set after calibration)"
+        scoring = (f"its own rank, the fewest of {plan.head_dim} principal coordinates holding {plan.variance:g} of "
+                   f"the key variance{ranks}")
+    out.print(f"loki plan for {model}: every layer scores keys with {scoring} ({plan.basis} basis) and attends "
+              f"over the top {top_k}")
     if report.written:
         out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
     print_heal_summary(report.heal)

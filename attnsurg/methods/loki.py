@@ -51,7 +51,7 @@ class LokiPlan:
         if ranks is None:
             return f"per layer, {self.variance:g} of the key variance"
         spread = str(ranks[0]) if min(ranks) == max(ranks) else f"{min(ranks)}-{max(ranks)} (mean {sum(ranks) / len(ranks):.1f})"
-        return spread + (f", {self.variance:g} of the key variance" if self.variance else "")
+        return spread + (f" for {self.variance:g} of the key variance" if self.variance else "")
 
     def surgery(self) -> dict:
         rank = self.rank if self.variance is None else self.ranks

@@ -116,9 +116,6 @@ def loki_card(request: CompressLoki, report: CompressReport) -> CardInfo:
     top_k = f"{plan.top_k:g} of each query's context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
     figures = [{"metric": "KV bytes per token (bf16)", "before": f"{report.anatomy.kv_bytes_per_token('bfloat16'):,}",
                 "after": f"{report.anatomy.kv_bytes_per_token('bfloat16'):,} (keys cached rotated, full width)"}]
-    if report.ppl_before is not None:
-        figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",
-                        "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
     return CardInfo(
         title=f"{request.model.ref} with Loki top-k attention (rank {plan.rank_label()}, top-k {top_k})",
         summary=(
@@ -180,9 +177,6 @@ def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
         {"metric": "KV values per token (all layers)", "before": f"{anatomy.kv_values_per_token:,}", "after": f"{kv_after:,}"},
         {"metric": "KV bytes per token (bf16)", "before": f"{anatomy.kv_bytes_per_token('bfloat16'):,}", "after": f"{kv_after * 2:,}"},
     ]
-    if report.ppl_before is not None:
-        figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",
-                        "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
     kv_note = (
         " k and v share one cached latent per layer (rebuilt to K and V at every step, RoPE applied after), so "
         "the KV cache holds the latent only; rebuilding costs 2 x rank x 2 G d FLOPs per cached token per step."

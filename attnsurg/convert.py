@@ -101,9 +101,6 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
         before, after = report.mean_layer_error
         figures.append({"metric": "mean relative layer error against the original residual stream (refinement)",
                         "before": f"{before:.4f}", "after": f"{after:.4f}"})
-    if report.ppl_before is not None:
-        figures.append({"metric": f"ppl, {data} eval part, first {request.eval_tokens} tokens",
-                        "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
     return CardInfo(
         title=f"{request.model.ref} as multi-head latent attention (DeepseekV3)",
         summary=(

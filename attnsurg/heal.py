@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 from attnsurg import ui
 from attnsurg.data import load_text
 from attnsurg.errors import UserError
-from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.eval.perplexity import perplexity_of
 from attnsurg.methods.mla import hold_norm_channel, norm_channel_of
 from attnsurg.recipe import HealSettings, TextData
 
@@ -314,11 +314,11 @@ def train_step(accelerator, student, teacher, optimizer, scheduler, windows, set
 
 
 def held_out_windows(tokenizer, settings: HealSettings):
-    """The first ``eval_tokens`` of the dataset's eval part (a user's file: its first tokens, which may
-    overlap the training text; the report says so)."""
-    data = settings.data.model_copy(update={"part": "eval"})
-    length = min(1024, settings.eval_tokens)
-    return eval_windows(tokenizer, data, length, settings.eval_tokens)
+    """Scored during training: the start of the training dataset's eval part (a user's file: its start,
+    which the training text includes)."""
+    from attnsurg.pipeline import scoring_windows
+
+    return scoring_windows(tokenizer, settings.data, settings.eval_tokens, None)
 
 
 def evaluate(accelerator: Accelerator, student, held_out) -> float:

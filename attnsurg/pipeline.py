@@ -45,14 +45,18 @@ def source_windows(tokenizer, calibration: Calibration, anatomy: AttentionAnatom
     return calibration_windows(tokenizer, calibration.data, calibration.tokens, seq_len)
 
 
+def scoring_windows(tokenizer, data: TextData, eval_tokens: int, max_positions: int | None):
+    """The first ``eval_tokens`` of the data's eval part (a user's file: its start) in windows of up to 1024."""
+    length = min(1024, eval_tokens, max_positions or 1024)
+    return eval_windows(tokenizer, data.model_copy(update={"part": "eval"}), length, eval_tokens)
+
+
 def perplexity_before_after(
     source: PreTrainedModel, result: PreTrainedModel, tokenizer, calibration: Calibration, eval_tokens: int,
     anatomy: AttentionAnatomy,
 ) -> tuple[float, float]:
     """Token ppl of both models on the same first ``eval_tokens`` of the calibration text's eval part."""
-    data = TextData(dataset=calibration.data.dataset, text=calibration.data.text, part="eval")
-    length = min(1024, eval_tokens, anatomy.max_positions or 1024)
-    tokens, windows = eval_windows(tokenizer, data, length, eval_tokens)
+    tokens, windows = scoring_windows(tokenizer, calibration.data, eval_tokens, anatomy.max_positions)
     return perplexity_of(source, tokens, windows), perplexity_of(result, tokens, windows)
 
 
@@ -112,6 +116,8 @@ def finish_surgery(
     report.peak_memory_gb = peak_memory_gb()
     files = {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})}
     info = card()
+    if report.ppl_before is not None:
+        info.figures.append(perplexity_row(request.calibration.data, request.eval_tokens, report.ppl_before, report.ppl_after))
     if getattr(report, "heal", None) is not None:
         add_healing(info, report.heal, recipe.heal)
     report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, info, request.overwrite, extra_files=files))
@@ -119,6 +125,12 @@ def finish_surgery(
         from attnsurg.heal import heal_state_dir, remove_heal_state
 
         remove_heal_state(heal_state_dir(request.output))
+
+
+def perplexity_row(data: TextData, eval_tokens: int, before: float, after: float, note: str = "") -> dict[str, str]:
+    """The card's before/after perplexity row."""
+    name = data.dataset or str(data.text)
+    return {"metric": f"ppl, {name} eval part, first {eval_tokens} tokens{note}", "before": f"{before:.3f}", "after": f"{after:.3f}"}
 
 
 def is_main_process() -> bool:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.errors import UserError
-from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.eval.perplexity import perplexity_of
 from attnsurg.heal import HealReport, heal_model, heal_state_dir, remove_heal_state
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
@@ -25,9 +24,11 @@ from attnsurg.pipeline import (
     is_main_process,
     load_source,
     peak_memory_gb,
+    perplexity_row,
+    scoring_windows,
     to_source_dtype,
 )
-from attnsurg.recipe import MLASettings, ModelRef, Recipe, TextData
+from attnsurg.recipe import MLASettings, ModelRef, Recipe
 
 
 def check_permissions(recipe: Recipe, trust_remote_code: bool, allow_pickle: bool) -> None:
@@ -58,7 +59,6 @@ def run_recipe(recipe: Recipe, dry_run: bool = False, overwrite: bool = False):
 @dataclass
 class HealRunReport:
     anatomy: AttentionAnatomy
-    steps: int | None = None
     heal: HealReport | None = None
     written: str | None = None
     seconds: float = 0.0
@@ -87,7 +87,7 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> 
     teacher, _ = load_source(settings.teacher, teacher_source)
     held_out = None
     if recipe.eval.tokens:
-        held_out = recipe_eval_windows(tokenizer, recipe, anatomy)
+        held_out = scoring_windows(tokenizer, recipe.calibration.data, recipe.eval.tokens, anatomy.max_positions)
         report.ppl_teacher, report.ppl_before = perplexity_of(teacher, *held_out), perplexity_of(student, *held_out)
     report.heal = heal_model(student, teacher, tokenizer, settings, recipe.seed, heal_state_dir(recipe.output))
     if not is_main_process():  # under `accelerate launch`, one process scores and writes
@@ -106,21 +106,12 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> 
     return report
 
 
-def recipe_eval_windows(tokenizer, recipe: Recipe, anatomy: AttentionAnatomy):
-    """The recipe's evaluation windows: the first ``eval.tokens`` of the calibration dataset's eval part."""
-    data = recipe.calibration.data
-    data = TextData(dataset=data.dataset, text=data.text, part="eval")
-    length = min(1024, recipe.eval.tokens, anatomy.max_positions or 1024)
-    return eval_windows(tokenizer, data, length, recipe.eval.tokens)
-
-
 def heal_card(recipe: Recipe, report: HealRunReport) -> CardInfo:
     teacher: ModelRef = recipe.heal.teacher
     figures = []
     if report.ppl_before is not None:
-        data = recipe.calibration.data.dataset or str(recipe.calibration.data.text)
-        figures.append({"metric": f"ppl, {data} eval part, first {recipe.eval.tokens} tokens (teacher {report.ppl_teacher:.3f})",
-                        "before": f"{report.ppl_before:.3f}", "after": f"{report.ppl_after:.3f}"})
+        figures.append(perplexity_row(recipe.calibration.data, recipe.eval.tokens, report.ppl_before, report.ppl_after,
+                                      f" (teacher {report.ppl_teacher:.3f})"))
     info = CardInfo(
         title=f"{recipe.model.ref}, healed by distillation from {teacher.ref}",
         summary=(
@@ -132,5 +123,4 @@ def heal_card(recipe: Recipe, report: HealRunReport) -> CardInfo:
         figures=figures,
     )
     add_healing(info, report.heal, recipe.heal)
-    ui.info(f"healed {report.heal.steps} steps in {report.heal.seconds:.1f} s")
     return info

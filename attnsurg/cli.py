@@ -192,7 +192,8 @@ def surgery_cell(surgery: dict) -> str:
     """What attnsurg did to a checkpoint it wrote: method and the spread of ranks."""
     lines = [f"{surgery.get('method', '?')}" + (", consumer-weighted" if surgery.get("weighted") else "")]
     for key, label in (("low_rank", "low-rank projections"), ("kv_latent", "k/v latent layers"),
-                       ("head_tensor", "tensor-decomposed projections"), ("factored_kv", "layers caching k/v factors")):
+                       ("head_tensor", "tensor-decomposed projections"), ("factored_kv", "layers caching k/v factors"),
+                       ("stacked_tucker", "stacked Tucker layers")):
         ranks = [headline_rank(value) for value in (surgery.get(key) or {}).values()]
         if ranks:
             spread = str(ranks[0]) if min(ranks) == max(ranks) else f"{min(ranks)}-{max(ranks)}"
@@ -418,7 +419,7 @@ def compress(
         Optional[int], typer.Option("--rank", help="One rank for every targeted projection (low rank, cp; instead of --ratio).")
     ] = None,
     ranks: Annotated[
-        Optional[str], typer.Option("--ranks", help="Tucker mode ranks heads,head_dim,hidden (instead of --ratio).")
+        Optional[str], typer.Option("--ranks", help="Tucker mode ranks heads,head_dim,hidden; with --stacked head_dim,hidden (instead of --ratio).")
     ] = None,
     top_k: Annotated[
         Optional[str], typer.Option("--top-k", help="Loki: keys kept per query, a count (64) or a fraction of the context (0.25, 1/4).")
@@ -438,6 +439,10 @@ def compress(
         Optional[bool],
         typer.Option("--weighted/--unweighted", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm, tucker, cp."),
     ] = None,
+    stacked: Annotated[
+        bool, typer.Option("--stacked", help="Tucker: q, k, v, o of a layer in one decomposition, factors shared "
+                           "across heads and projections (TensorLLM); --ranks head_dim,hidden.")
+    ] = False,
     calib_dataset: CalibDataset = "wiki-sample",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
@@ -473,7 +478,7 @@ def compress(
     if method in SPARSE_METHODS:
         from attnsurg.methods.loki import parse_top_k
 
-        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--ratio": ratio is not None,
+        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--ratio": ratio is not None, "--stacked": stacked,
                                 "--ranks": ranks is not None, "--targets": targets != "q,k,v,o",
                                 "--weighted/--unweighted": weighted is not None})
         common.pop("targets"), common.pop("ratio")
@@ -484,14 +489,17 @@ def compress(
     if top_k is not None or basis != "post-rope" or variance is not None:
         raise UserError(f"--top-k, --basis and --variance are for --method loki, not {method}")
     if method in TENSOR_METHODS:
-        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate})
+        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--stacked": stacked and method != "tucker"})
         if method == "tucker" and rank is not None:
-            raise UserError("tucker takes one rank per mode: --ranks heads,head_dim,hidden (e.g. --ranks 9,48,160)")
+            modes = "head_dim,hidden (e.g. --ranks 64,200)" if stacked else "heads,head_dim,hidden (e.g. --ranks 9,48,160)"
+            raise UserError(f"tucker takes one rank per mode: --ranks {modes}")
         if method == "cp" and ranks is not None:
             raise UserError("cp takes a single rank: --rank R")
         mode_ranks = parse_ranks(ranks) if ranks is not None else (rank,) if rank is not None else None
-        request = CompressHeadTensor(**common, ranks=mode_ranks, weighted=True if weighted is None else weighted)
+        request = CompressHeadTensor(**common, ranks=mode_ranks, weighted=True if weighted is None else weighted,
+                                     stacked=stacked)
     else:
+        reject_options(method, {"--stacked": stacked})
         if ranks is not None:
             raise UserError(f"--ranks is for tucker; {method} takes one rank: --rank R")
         request = CompressLowRank(**common, rank=rank, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
@@ -564,9 +572,9 @@ def parse_ranks(text: str) -> tuple[int, ...]:
 
 def lowrank_plan_table(model: str, plan, rows: list[dict], dry_run: bool) -> Table:
     """Ranks per layer; consecutive layers with the same ranks share one row."""
-    from attnsurg.methods.lowrank import PROJECTIONS
+    from attnsurg.compress import COLUMN_TITLES, plan_columns
 
-    names = ["kv"] if plan.kv_latent else list(plan.targets)
+    names = plan_columns(plan)
     note = ""
     if dry_run and plan.allocate:
         note = " (uniform; --allocate redistributes after calibration)"
@@ -575,7 +583,7 @@ def lowrank_plan_table(model: str, plan, rows: list[dict], dry_run: bool) -> Tab
     table = Table(title=f"{plan.method} plan for {model}{note}", title_justify="left")
     table.add_column("layers", justify="right")
     for name in names:
-        table.add_column("k/v latent rank" if name == "kv" else PROJECTIONS[name], justify="right")
+        table.add_column(COLUMN_TITLES[name], justify="right")
     table.add_column("params/layer", justify="right")
     groups: list[list[dict]] = []
     for row in rows:

@@ -21,12 +21,13 @@ from attnsurg.methods.headtensor import (
     plan_head_tensor,
 )
 from attnsurg.methods.loki import LokiPlan, apply_loki, plan_loki
+from attnsurg.methods.stacked_tucker import StackedTuckerPlan, compress_stacked_tucker, plan_stacked_tucker
 from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
 from attnsurg.modeling import MODELING_FILE
 from attnsurg.pipeline import base_model_id, command_line, finish_surgery, healing_note, start_surgery
 from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank, Recipe
 
-Plan = LowRankPlan | HeadTensorPlan
+Plan = LowRankPlan | HeadTensorPlan | StackedTuckerPlan
 Request = CompressLowRank | CompressHeadTensor | CompressLoki
 
 
@@ -51,9 +52,19 @@ def projection_flops(plan: Plan) -> tuple[int, int]:
 
 def unit_params(plan: Plan, index: int, after: bool) -> int:
     unit, ranks = plan.units[index], plan.ranks[index]
-    if isinstance(plan, HeadTensorPlan):
+    if isinstance(plan, (HeadTensorPlan, StackedTuckerPlan)):
         return plan.params(unit, ranks if after else None)
     return unit.params(ranks if after else None)
+
+
+def plan_columns(plan: Plan) -> list[str]:
+    """The rank columns of a plan's table: one per targeted projection, or one k/v latent or stacked column."""
+    if plan.kv_latent:
+        return ["kv"]
+    return ["qkvo"] if isinstance(plan, StackedTuckerPlan) else list(plan.targets)
+
+
+COLUMN_TITLES = {"kv": "k/v latent", "qkvo": "q,k,v,o stacked (head_dim x hidden)"} | PROJECTIONS
 
 
 def rank_rows(plan: Plan, labels: bool = True) -> list[dict]:
@@ -72,6 +83,8 @@ def plan_request(request: Request):
     source, _, anatomy = inspect_model(request.model)
     if isinstance(request, CompressLoki):
         plan = plan_loki(anatomy, request.rank, request.top_k, request.basis, request.variance)
+    elif isinstance(request, CompressHeadTensor) and request.stacked:
+        plan = plan_stacked_tucker(anatomy, request.targets, request.ratio, request.ranks, request.weighted)
     elif isinstance(request, CompressHeadTensor):
         plan = plan_head_tensor(anatomy, request.method, request.targets, request.ratio, request.ranks, request.weighted)
     else:
@@ -99,6 +112,8 @@ def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None 
             result_model = apply_loki(model, family, stats[: len(attentions)], plan, windows.shape[1])
         elif isinstance(plan, HeadTensorPlan):
             result = compress_head_tensor(model, family, layer_stats, plan, request.seed, windows.shape[1], progress=advance)
+        elif isinstance(plan, StackedTuckerPlan):
+            result = compress_stacked_tucker(model, family, layer_stats, plan, request.seed, windows.shape[1], progress=advance)
         else:
             result = compress(model, family, layer_stats, plan, windows.shape[1], progress=advance)
     report.factorize_seconds = time.perf_counter() - started
@@ -135,26 +150,30 @@ def loki_card(request: CompressLoki, report: CompressReport) -> CardInfo:
 
 
 def rank_table(plan: Plan) -> str:
-    names = ["kv"] if plan.kv_latent else list(plan.targets)
-    header = "| layer | " + " | ".join("k/v latent" if n == "kv" else PROJECTIONS[n] for n in names) + " |"
+    names = plan_columns(plan)
+    header = "| layer | " + " | ".join(COLUMN_TITLES[n] for n in names) + " |"
     lines = [header, "|---" * (len(names) + 1) + "|"]
     for row in rank_rows(plan):
         lines.append(f"| {row['layer']} | " + " | ".join(row[n] for n in names) + " |")
-    if isinstance(plan, HeadTensorPlan):
-        lines.append("\n" + RANK_NOTES[plan.method])
+    if isinstance(plan, (HeadTensorPlan, StackedTuckerPlan)):
+        lines.append("\n" + RANK_NOTES["stacked" if isinstance(plan, StackedTuckerPlan) else plan.method])
     return "\n".join(lines)
 
 
 RANK_NOTES = {
     "tucker": "Tucker ranks are heads x head_dim x hidden; the hidden factor is computed once per token for all heads.",
     "cp": "CP rank R: one shared hidden -> R projection per token, a mixing vector per head, one R -> head_dim map.",
+    "stacked": "Stacked Tucker ranks are head_dim x hidden: one hidden factor per layer, computed once per token for "
+               "q, k and v of every head and shared by o; one core per projection and head.",
 }
 
 
 def budget_details(request: Request, plan: Plan) -> str:
-    if isinstance(plan, HeadTensorPlan):
+    if isinstance(plan, (HeadTensorPlan, StackedTuckerPlan)):
         budget = f"ratio {request.ratio}" if request.ratio is not None else f"ranks {','.join(map(str, request.ranks))}"
         split = "; Tucker mode ranks chosen per projection by HOSVD error" if plan.choose_ranks else ""
+        if isinstance(plan, StackedTuckerPlan):
+            split = "; q, k, v and o of each layer stacked in one decomposition (TensorLLM layout)"
         return f"budget: {budget} (fraction of the targeted parameters kept; achieved {plan.kept_fraction:.3f}){split}"
     budget = f"ratio {request.ratio}" if request.ratio is not None else f"rank {request.rank}"
     kind = "fraction of the KV cache kept" if plan.kv_latent else "fraction of the targeted parameters kept"
@@ -167,7 +186,7 @@ def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
     calib = request.calibration
     data = calib.data.dataset or str(calib.data.text)
     flops_before, flops_after = projection_flops(plan)
-    tensor = isinstance(plan, HeadTensorPlan)
+    tensor = isinstance(plan, (HeadTensorPlan, StackedTuckerPlan))
     kv_after = plan.kv_values_after()
     figures = [
         {"metric": "parameters in the targeted projections", "before": f"{plan.params_before():,}", "after": f"{plan.params_after():,}"},
@@ -182,6 +201,9 @@ def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
         "the KV cache holds the latent only; rebuilding costs 2 x rank x 2 G d FLOPs per cached token per step."
         if plan.kv_latent else ""
     )
+    if isinstance(plan, StackedTuckerPlan) and plan.kv_values_after() < anatomy.kv_values_per_token:
+        kv_note = (" Where a layer's hidden rank is below the K and V width, its cache holds the shared hidden "
+                   "coordinates x A (rebuilt to K and V at every step, RoPE applied after).")
     return CardInfo(
         title=f"{request.model.ref} with {'tensor-decomposed' if tensor else 'low-rank'} attention ({plan.method})",
         summary=(

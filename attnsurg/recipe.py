@@ -136,13 +136,21 @@ class LowRankSettings(Strict):
 
 class HeadTensorSettings(Strict):
     """``compress --method tucker|cp``. The budget is ``ratio`` or ``ranks``: Tucker's (heads, head_dim,
-    hidden) mode ranks, or CP's single rank."""
+    hidden) mode ranks, or CP's single rank. ``stacked`` (Tucker only): q, k, v and o of a layer in one
+    decomposition with factors shared across heads and projections; its ranks are (head_dim, hidden)."""
 
     method: Literal["tucker", "cp"] = "tucker"
     targets: tuple[str, ...] = ("q", "k", "v", "o")
     ratio: float | None = None
     ranks: tuple[int, ...] | None = None
     weighted: bool = True
+    stacked: bool = False
+
+    @model_validator(mode="after")
+    def _stacked_is_tucker(self):
+        if self.stacked and self.method != "tucker":
+            raise ValueError("stacked is a Tucker layout; use method: tucker")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -137,6 +137,8 @@ def latent_kv_values(config: PretrainedConfig, num_layers: int, dense_values: in
     surgery = getattr(config, "attnsurg", None) or {}
     latent = dict(surgery.get("kv_latent") or {})
     latent.update({layer: sum(ranks) for layer, ranks in (surgery.get("factored_kv") or {}).items()})
+    latent.update({layer: spec["ranks"][1] for layer, spec in (surgery.get("stacked_tucker") or {}).items()
+                   if spec["cache_latent"]})
     if not latent:
         return ()
     return tuple(int(latent.get(str(i), dense_values)) for i in range(num_layers))

@@ -1,4 +1,4 @@
-"""Modeling code for checkpoints written by ``attnsurg compress`` (low-rank attention projections).
+"""Modeling code for checkpoints written by ``attnsurg compress`` (factorized or top-k attention).
 
 This file is self-contained (torch and transformers only): attnsurg copies it into every checkpoint it
 writes, where ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` finds it through the
@@ -13,11 +13,14 @@ A checkpoint keeps its family's architecture and records its surgery in ``config
   decomposed heads x head_dim x hidden tensor (:class:`TuckerProjection`, :class:`CPProjection`).
 - ``factored_kv``: layer index -> [k rank, v rank]. Both k and v of that layer are head tensors whose
   hidden factors are narrower than K and V; the cache holds those coordinates (:class:`FactoredKVAttention`).
-- ``kv_latent``: layer index -> rank.
-- ``loki``: {"rank": r, "top_k": count or fraction}: every layer scores keys with r PCA coordinates and
-  attends over its top-k (:class:`LokiAttention`). That layer's k/v projections become one shared down projection to an
+- ``stacked_tucker``: layer index -> {ranks: [R_dim, R_hidden], cache_latent}. That layer's q, k, v and o
+  come from one Tucker decomposition with factors shared by every head and projection
+  (:class:`StackedTuckerAttention`); with ``cache_latent`` the cache holds the shared hidden coordinates.
+- ``kv_latent``: layer index -> rank. That layer's k/v projections become one shared down projection to an
   r-dimensional latent and one up projection to [K; V] (:class:`LatentKVAttention`). The cache holds the
   latent, not K and V; keys are rebuilt from it and rotated afterwards (Palu, Chang et al. 2024, sec. 3).
+- ``loki``: {"rank": r, "top_k": count or fraction}: every layer scores keys with r PCA coordinates and
+  attends over its top-k (:class:`LokiAttention`).
 """
 
 from __future__ import annotations
@@ -205,8 +208,7 @@ class RebuiltKVAttention(AttentionBase):
         cache = cache if cache is not None else past_key_values
         require_dynamic_cache(cache)
         batch, length, _ = hidden_states.shape
-        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        key, value = self.keys_and_values(hidden_states, cache)
+        query, key, value = self.project(hidden_states, cache)
         total = key.shape[2]
 
         positions = torch.arange(total, device=hidden_states.device).unsqueeze(0)
@@ -225,7 +227,27 @@ class RebuiltKVAttention(AttentionBase):
             scaling=self.scaling,
             **kwargs,
         )
-        return self.o_proj(output.reshape(batch, length, -1).contiguous()), weights
+        return self.output(output.reshape(batch, length, -1).contiguous()), weights
+
+    def project(self, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [batch, H, new tokens, d] and K, V [batch, G, all cached tokens, d], before RoPE."""
+        batch, length, _ = hidden_states.shape
+        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        return (query, *self.keys_and_values(hidden_states, cache))
+
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        """The attention output [batch, tokens, H d] mapped back to the hidden state."""
+        return self.o_proj(heads)
+
+
+def cached_latent(latent: torch.Tensor, cache, layer_idx: int) -> torch.Tensor:
+    """Append this step's latent [batch, new tokens, r] to the cache (split over its key and value slots)
+    and return the whole cached latent [batch, all tokens, r]."""
+    if cache is None:
+        return latent
+    half = (latent.shape[-1] + 1) // 2
+    first, second = cache.update(latent[..., :half].unsqueeze(1), latent[..., half:].unsqueeze(1), layer_idx)
+    return torch.cat([first, second], dim=-1).squeeze(1)
 
 
 class LatentKVAttention(RebuiltKVAttention):
@@ -243,17 +265,9 @@ class LatentKVAttention(RebuiltKVAttention):
     def latent_rank(self) -> int:
         return self.kv_down.out_features
 
-    def cached_latent(self, latent: torch.Tensor, cache) -> torch.Tensor:
-        """Append this step's latent to the cache (split over its key and value slots) and return it all."""
-        if cache is None:
-            return latent
-        half = (latent.shape[-1] + 1) // 2
-        first, second = cache.update(latent[..., :half].unsqueeze(1), latent[..., half:].unsqueeze(1), self.layer_idx)
-        return torch.cat([first, second], dim=-1).squeeze(1)
-
     def keys_and_values(self, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ([batch, G, all cached tokens, d], before RoPE) rebuilt from the cached latent."""
-        latent = self.cached_latent(self.kv_down(hidden_states), cache)
+        latent = cached_latent(self.kv_down(hidden_states), cache, self.layer_idx)
         batch, total = latent.shape[:2]
         kv = self.kv_up(latent).view(batch, total, 2, self.num_key_value_heads, self.head_dim)
         return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
@@ -277,6 +291,50 @@ class FactoredKVAttention(RebuiltKVAttention):
         key = self.k_proj.decode(zk.squeeze(1)).view(batch, total, G, d).transpose(1, 2)
         value = self.v_proj.decode(zv.squeeze(1)).view(batch, total, G, d).transpose(1, 2)
         return key, value
+
+
+class StackedTuckerAttention(RebuiltKVAttention):
+    """q, k, v and o of every head from one Tucker decomposition of the layer (TensorLLM, Gu et al. 2025):
+    head h of projection p is B C_{p,h} A^T, with A (hidden x R_hidden) and B (head_dim x R_dim; absent when
+    folded into the cores) shared by every head and projection. u = x A is computed once per token for q, k
+    and v; o writes back through A. With ``cache_latent`` the cache holds u instead of K and V."""
+
+    def __init__(self, config, layer_idx: int, ranks: list[int], cache_latent: bool, biases: dict[str, bool]):
+        super().__init__(config, layer_idx)
+        r_dim, r_hidden = ranks
+        H, G, d, D = config.num_attention_heads, self.num_key_value_heads, self.head_dim, config.hidden_size
+        self.cache_latent = cache_latent
+        self.factor_hidden = nn.Parameter(torch.zeros(D, r_hidden))
+        self.factor_dim = nn.Parameter(torch.zeros(d, r_dim)) if r_dim < d else None
+        for name, heads, bias_size in (("q", H, H * d), ("k", G, G * d), ("v", G, G * d), ("o", H, D)):
+            setattr(self, f"core_{name}", nn.Parameter(torch.zeros(heads, r_dim, r_hidden)))
+            setattr(self, f"{name}_bias", nn.Parameter(torch.zeros(bias_size)) if biases[name] else None)
+
+    def heads_from(self, u: torch.Tensor, core: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[batch, tokens, R_hidden] -> [batch, heads, tokens, d] through each head's core (and B)."""
+        y = torch.einsum("btr,hsr->bths", u, core)
+        if self.factor_dim is not None:
+            y = y @ self.factor_dim.T
+        if bias is not None:
+            y = y + bias.view(core.shape[0], self.head_dim)
+        return y.transpose(1, 2)
+
+    def project(self, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        u = hidden_states @ self.factor_hidden
+        query = self.heads_from(u, self.core_q, self.q_bias)
+        if self.cache_latent:
+            u = cached_latent(u, cache, self.layer_idx)
+        key, value = self.heads_from(u, self.core_k, self.k_bias), self.heads_from(u, self.core_v, self.v_bias)
+        if cache is not None and not self.cache_latent:
+            key, value = cache.update(key, value, self.layer_idx)
+        return query, key, value
+
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        o = heads.unflatten(-1, (-1, self.head_dim))
+        if self.factor_dim is not None:
+            o = o @ self.factor_dim
+        y = torch.einsum("bths,hsr->btr", o, self.core_o) @ self.factor_hidden.T
+        return y if self.o_bias is None else y + self.o_bias
 
 
 def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -423,6 +481,11 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
             rank = loki["rank"][index] if isinstance(loki["rank"], list) else loki["rank"]  # per layer or one
             layer.self_attn = LokiAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
                                             int(rank), loki["top_k"])
+    for index, spec in (surgery.get("stacked_tucker") or {}).items():
+        layer = layers[int(index)]
+        old = layer.self_attn
+        biases = {name: getattr(old, f"{name}_proj").bias is not None for name in "qkvo"}
+        layer.self_attn = StackedTuckerAttention(model.config, int(index), spec["ranks"], spec["cache_latent"], biases)
     for index in surgery.get("factored_kv") or {}:
         layer = layers[int(index)]
         old = layer.self_attn

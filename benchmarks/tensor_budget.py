@@ -4,8 +4,10 @@
 
 Calibrates once on the calibration half of wiki-sample (statistics shared by every row), evaluates on the
 first WINDOWS x 1024 tokens of its evaluation half (disjoint windows, fp32), q,k,v,o targeted, no
-healing. Rows per ratio: svdllm (plain whitening), svdllm, tucker and cp (consumer-weighted, the
-defaults; ``--plain-tensor`` adds tucker and cp with whitened inputs only);
+healing. Rows per ratio: svdllm (plain whitening), svdllm, tucker, cp and stacked tucker (q, k, v, o in one
+decomposition, TensorLLM layout) (consumer-weighted, the defaults; ``--plain-tensor`` adds tucker and cp
+with whitened inputs only; ``--data-free-stacked`` adds stacked tucker with TensorLLM's data-free factors,
+only its cores fitted to the calibration data);
 each with ppl ratio to the original, parameters and FLOPs per token in the projections, KV bytes per
 token (bf16, from a transformers cache) and decomposition seconds (calibration excluded, reported once).
 Writes benchmarks/results/tensor_budget.json.
@@ -20,12 +22,13 @@ from pathlib import Path
 
 from attnsurg.methods.headtensor import compress_head_tensor, plan_head_tensor
 from attnsurg.methods.lowrank import compress, plan_lowrank
+from attnsurg.methods.stacked_tucker import MAX_ITERATIONS, compress_stacked_tucker, plan_stacked_tucker
 from common import cache_bytes_per_token, prepare
 
 TARGETS = "q,k,v,o"
 
 
-def variants(anatomy, ratio: float, plain_tensor: bool):
+def variants(anatomy, ratio: float, plain_tensor: bool, data_free_stacked: bool):
     for weighted in (False, True):
         name = "consumer-weighted" if weighted else "plain whitening"
         yield f"svdllm ({name})", plan_lowrank(anatomy, "svdllm", TARGETS, ratio=ratio, weighted=weighted)
@@ -33,6 +36,9 @@ def variants(anatomy, ratio: float, plain_tensor: bool):
         for weighted in (False, True) if plain_tensor else (True,):
             name = "consumer-weighted" if weighted else "whitened inputs only"
             yield f"{method} ({name})", plan_head_tensor(anatomy, method, TARGETS, ratio=ratio, weighted=weighted)
+    for sweeps in (0, None) if data_free_stacked else (None,):
+        label = "data-free factors, fitted cores" if sweeps == 0 else "consumer-weighted"
+        yield f"stacked tucker ({label})", (plan_stacked_tucker(anatomy, tuple(TARGETS.split(",")), ratio=ratio), sweeps)
 
 
 def main() -> None:
@@ -42,16 +48,21 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calib-tokens", type=int, default=4096)
     parser.add_argument("--plain-tensor", action="store_true", help="Also tucker and cp without consumer weights.")
+    parser.add_argument("--data-free-stacked", action="store_true", help="Also stacked tucker with data-free factors.")
     args = parser.parse_args()
 
     setup = prepare(args.model, args.windows, args.calib_tokens)
     original, calibration_s = setup.original_ppl, setup.calibration_s
     rows = []
     for ratio in args.ratios:
-        for label, plan in variants(setup.anatomy, ratio, args.plain_tensor):
+        for label, plan in variants(setup.anatomy, ratio, args.plain_tensor, args.data_free_stacked):
             start = time.perf_counter()
             if label.startswith("svdllm"):
                 result = compress(setup.model, setup.family, setup.stats, plan, setup.seq_len)
+            elif label.startswith("stacked"):
+                plan, sweeps = plan
+                result = compress_stacked_tucker(setup.model, setup.family, setup.stats, plan, seq_len=setup.seq_len,
+                                                 max_iterations=MAX_ITERATIONS if sweeps is None else sweeps)
             else:
                 result = compress_head_tensor(setup.model, setup.family, setup.stats, plan, seq_len=setup.seq_len)
             seconds = time.perf_counter() - start

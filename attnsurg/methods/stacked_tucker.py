@@ -404,8 +404,10 @@ def compress_stacked_tucker(
     seed: int = 0,
     seq_len: int = 512,
     progress=None,
+    max_iterations: int = MAX_ITERATIONS,
 ) -> StackedTuckerResult:
-    """Fit every layer of the plan and assemble the model."""
+    """Fit every layer of the plan and assemble the model (``max_iterations=0``: TensorLLM's data-free factors
+    with only the cores fitted)."""
     contexts = layer_contexts(source, family, stats, seq_len) if plan.weighted else [None] * len(plan.units)
     replaced, errors, unconverged = {}, [], []
     for unit, ranks in zip(plan.units, plan.ranks):
@@ -413,9 +415,9 @@ def compress_stacked_tucker(
         attn = source.get_submodule(path)
         x_stats, o_stats = stats[unit.layer]
         layer = stack_layer(unit, attn, x_stats, o_stats, contexts[unit.layer])
-        fit = fit_layer(layer, ranks, seed)
+        fit = fit_layer(layer, ranks, seed, max_iterations)
         errors.append(fit.relative_error)
-        if not fit.converged:
+        if max_iterations and not fit.converged:
             unconverged.append((unit.label, fit.relative_error))
         replaced[path] = module_state(unit, fit, attn)
         if progress:

@@ -686,6 +686,7 @@ def recipe_step_label(step) -> str:
         budget = {name: getattr(settings, name, None) for name in ("ratio", "rank", "ranks", "top_k")}
         shown = ", ".join(f"{name} {value}" for name, value in budget.items() if value is not None)
         latent = ", k/v latent" if getattr(settings, "kv_latent", False) else ""
+        latent += ", stacked q,k,v,o" if getattr(settings, "stacked", False) else ""
         return f"compress {settings.method} ({shown or 'default budget'}{latent})"
     return f"heal ({settings.tokens:,} tokens)"
 

@@ -1,6 +1,6 @@
 """``attnsurg compress``: plan -> load -> calibrate -> factorize -> evaluate -> write.
 
-Low-rank methods (svd, asvd, svdllm) and tensor methods (tucker, cp) share this pipeline; their plans
+Low-rank methods (svd, asvd, svdllm) and tensor methods (tucker, cp, stacked tucker) share this pipeline; their plans
 answer the same questions (units, ranks, parameters, FLOPs, KV values).
 """
 
@@ -181,6 +181,12 @@ def budget_details(request: Request, plan: Plan) -> str:
     return f"budget: {budget} ({kind}; achieved {plan.kept_fraction:.3f}), {spread}"
 
 
+def fit_note(plan: Plan) -> str:
+    if isinstance(plan, StackedTuckerPlan):
+        return "; alternating least squares on the calibration statistics, from TensorLLM's data-free factors"
+    return "; fitted to the whitened calibration inputs" if isinstance(plan, HeadTensorPlan) else ""
+
+
 def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
     plan, anatomy = report.plan, report.anatomy
     calib = request.calibration
@@ -216,7 +222,7 @@ def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
         details=[
             budget_details(request, plan),
             f"targets: {', '.join(PROJECTIONS[t] for t in plan.targets)}"
-            + ("; fitted to the whitened calibration inputs" if tensor else "") + f"; consumer-weighted: {plan.weighted}",
+            + fit_note(plan) + f"; consumer-weighted: {plan.weighted}",
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}; " + healing_note(report),
         ],
         figures=figures,

@@ -116,7 +116,7 @@ class MLASettings(Strict):
     rope_dim: int | None = None
     rope_layout: Literal["standard", "flexible"] = "standard"
     weighted: bool = True
-    refine_steps: int = Field(20, ge=0)
+    refine_steps: int = Field(40, ge=0)
     refine_tokens: int = Field(2048, gt=0)
     refine_lr: float = Field(1e-3, gt=0)
 

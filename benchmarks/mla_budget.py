@@ -1,7 +1,7 @@
 """MLA conversion of the demo model at several KV budgets, against the original in the same run.
 
     python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--unweighted]
-                                    [--refine-steps 20] [--refine-tokens 2048] [--rope-layout standard]
+                                    [--refine-steps 40] [--refine-tokens 2048] [--rope-layout standard]
 
 Calibrates on the calibration half of wiki-sample, evaluates on the first WINDOWS x 1024 tokens of its
 evaluation half (disjoint windows, fp32), converts in memory (closed form, then --refine-steps of layer-wise
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calib-tokens", type=int, default=4096)
     parser.add_argument("--unweighted", action="store_true")
-    parser.add_argument("--refine-steps", type=int, default=20)
+    parser.add_argument("--refine-steps", type=int, default=40)
     parser.add_argument("--rope-layout", default="standard", choices=["standard", "flexible"])
     parser.add_argument("--refine-tokens", type=int, default=2048)
     parser.add_argument("--context", type=int, default=4096)

@@ -45,6 +45,7 @@ from attnsurg.methods import MethodSpec, register
 
 # Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
 NORM_CONSTANT = 2.0**24
+REFINE_STEP_TOKENS = 512  # tokens per refinement step: whole windows, at least one
 SUPPORTED_ROPE = ("default", "llama3")
 
 
@@ -461,25 +462,31 @@ def refine_layer(
     w: MLAWeights, config: DeepseekV3Config, index: int, o_weight: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
     steps: int, lr: float,
 ) -> tuple[MLAWeights, float, float, DeepseekV3Attention]:
-    """Adam on the converted layer so its output on ``x`` matches ``target``; returns the better weights, the
-    relative error before and after, and the module holding the returned weights. The closed form is kept
-    when refinement does not improve it."""
+    """Adam on the converted layer so its output on the windows ``x`` matches ``target``, each step on the next
+    REFINE_STEP_TOKENS worth of windows in turn; returns the better weights, the relative error on all windows
+    before and after, and the module holding the returned weights. The closed form is kept when refinement
+    does not improve it.
+
+    Minibatches, not the full batch: on the demo model 40 steps of one 512-token window reached a lower
+    layer error than 20 full-batch steps over 4 windows at half the compute, and 80 steps a much lower one."""
     mask = causal_mask(x.shape[1])
     rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(x.shape[1])[None])
     energy = target.pow(2).mean()
     attention = mla_attention(config, index, w, o_weight)
 
-    def relative_error() -> torch.Tensor:
-        output = attention(hidden_states=x, position_embeddings=rope, attention_mask=mask)[0]
-        return (output - target).pow(2).mean() / energy
+    def relative_error(windows: slice = slice(None)) -> torch.Tensor:
+        output = attention(hidden_states=x[windows], position_embeddings=rope, attention_mask=mask)[0]
+        return (output - target[windows]).pow(2).mean() / energy
 
     with torch.no_grad():
         before = relative_error().item()
     optimizer = torch.optim.Adam(freeze_norm_channel(attention, config.kv_lora_rank - 1), lr=lr)
+    per_step = min(x.shape[0], max(1, REFINE_STEP_TOKENS // x.shape[1]))
     with torch.enable_grad():
-        for _ in range(steps):  # full batch: minibatches were no faster per unit of error (measured)
+        for step in range(steps):
+            first = (step * per_step) % x.shape[0]
             optimizer.zero_grad()
-            relative_error().backward()
+            relative_error(slice(first, first + per_step)).backward()
             optimizer.step()
     with torch.no_grad():
         after = relative_error().item()

@@ -60,6 +60,16 @@ def tiny_config(family: str, vocab_size: int, **overrides):
     raise ValueError(family)
 
 
+def greedy_decode_matches_recomputation(model, prompt: torch.Tensor, new_tokens: int) -> bool:
+    """``generate`` with the model's cache gives the tokens that recomputing every prefix from scratch gives."""
+    generated = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens, eos_token_id=None)
+    with torch.no_grad():
+        tokens = prompt
+        for _ in range(new_tokens):
+            tokens = torch.cat([tokens, model(tokens, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return torch.equal(generated, tokens)
+
+
 def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = tiny_config(family, vocab_size, **overrides)

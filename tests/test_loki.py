@@ -12,7 +12,7 @@ from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
 from attnsurg.methods.loki import apply_loki, parse_top_k, plan_loki, top_k_recall
 
-from conftest import build_tiny
+from conftest import build_tiny, greedy_decode_matches_recomputation
 from test_lowrank import VOCAB, held_out, logit_error
 
 
@@ -72,13 +72,7 @@ def test_post_rope_basis_is_orthonormal_and_differs_from_pre_rope():
 
 def test_decode_with_the_cache_matches_prefill_recomputation():
     model = loki_model(build_tiny("qwen2", VOCAB, num_key_value_heads=2), "qwen2", 4, 8)
-    prompt = held_out()[:1, :8]
-    generated = model.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20, eos_token_id=None)
-    with torch.no_grad():
-        tokens = prompt
-        for _ in range(20):
-            tokens = torch.cat([tokens, model(tokens, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(generated, tokens)
+    assert greedy_decode_matches_recomputation(model, held_out()[:1, :8], 20)
 
 
 @pytest.mark.parametrize(

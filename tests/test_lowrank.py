@@ -22,7 +22,7 @@ from attnsurg.methods.lowrank import (
 )
 from attnsurg.modeling.modeling_attnsurg import LatentKVAttention, LowRankLinear
 
-from conftest import build_tiny
+from conftest import build_tiny, greedy_decode_matches_recomputation
 
 VOCAB = 384
 
@@ -154,14 +154,7 @@ def test_allocation_minimizes_the_summed_relative_error_within_the_budget():
 def test_latent_cache_decode_matches_recomputation():
     model = build_tiny("qwen2", VOCAB, num_key_value_heads=2)
     result = compressed(model, "qwen2", calibration(model, "qwen2"), method="svdllm", targets="k,v", ratio=0.5, kv_latent=True)
-    prompt = held_out()[:1, :8]
-    generated = result.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20, eos_token_id=None)
-    with torch.no_grad():
-        tokens = prompt
-        for _ in range(20):
-            next_token = result(tokens, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, next_token], dim=1)
-    assert torch.equal(generated, tokens)
+    assert greedy_decode_matches_recomputation(result, held_out()[:1, :8], 20)
 
 
 @pytest.fixture(scope="module")

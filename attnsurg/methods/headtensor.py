@@ -303,6 +303,14 @@ def refit_hidden_factor(unit: HeadUnit, state: dict, weight: torch.Tensor, x: In
         state["factor_hidden"] = torch.linalg.solve(gram + eye * gram.diagonal().mean() * 1e-10, (W @ sigma @ K).T).T.contiguous()
 
 
+def warn_unconverged(unconverged: list[tuple[str, float]], total: int, what: str, cap: str, tolerance: float) -> None:
+    """One warning for the fits that stopped at their cap: how many, and the worst achieved error."""
+    if unconverged:
+        label, error = max(unconverged, key=lambda item: item[1])
+        ui.warn(f"{len(unconverged)} of {total} {what} stopped at the cap of {cap} before tolerance {tolerance:g}; "
+                f"kept their last factors (largest relative error {error:.4f}, {label})")
+
+
 @torch.no_grad()
 def compress_head_tensor(
     source: PreTrainedModel,
@@ -337,12 +345,7 @@ def compress_head_tensor(
             replaced[path] = state
         if progress and (i + 1 == len(plan.units) or plan.units[i + 1].layer != unit.layer):
             progress()
-    if unconverged:
-        worst = max(unconverged, key=lambda item: item[1])
-        ui.warn(
-            f"{len(unconverged)} of {len(errors)} {plan.method} decompositions stopped at the cap of {MAX_ITERATIONS} "
-            f"iterations before tolerance {decomposer.TOLERANCE:g}; kept their last factors (largest relative error "
-            f"{worst[1]:.4f}, {worst[0]})"
-        )
+    warn_unconverged(unconverged, len(errors), f"{plan.method} decompositions", f"{MAX_ITERATIONS} iterations",
+                     decomposer.TOLERANCE)
     model = assemble_factorized(source, family, plan.surgery(family), replaced)
     return HeadTensorResult(model, plan, errors, unconverged)

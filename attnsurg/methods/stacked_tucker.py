@@ -35,13 +35,12 @@ import torch
 from tensorly.decomposition import partial_tucker
 from transformers import PreTrainedModel
 
-from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.methods.factorized import assemble_factorized
-from attnsurg.methods.headtensor import diagonal_blocks
+from attnsurg.methods.headtensor import diagonal_blocks, warn_unconverged
 from attnsurg.methods.lowrank import LayerContext, layer_contexts, unsupported_reason
 
 MAX_ITERATIONS = 50
@@ -422,11 +421,6 @@ def compress_stacked_tucker(
         replaced[path] = module_state(unit, fit, attn)
         if progress:
             progress()
-    if unconverged:
-        worst = max(unconverged, key=lambda item: item[1])
-        ui.warn(
-            f"{len(unconverged)} of {len(errors)} stacked Tucker fits stopped at the cap of {MAX_ITERATIONS} sweeps "
-            f"before tolerance {TOLERANCE:g}; kept their last factors (largest relative error {worst[1]:.4f}, {worst[0]})"
-        )
+    warn_unconverged(unconverged, len(errors), "stacked Tucker fits", f"{max_iterations} sweeps", TOLERANCE)
     model = assemble_factorized(source, family, plan.surgery(family), replaced)
     return StackedTuckerResult(model, plan, errors, unconverged)

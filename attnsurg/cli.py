@@ -373,8 +373,12 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
 
 
 def print_ppl(report) -> None:
-    if report.ppl_before is not None:
-        out.print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f} (x{report.ppl_after / report.ppl_before:.3f})")
+    if report.ppl_before is None:
+        return
+    start = getattr(getattr(report, "heal", None), "ppl_start", None)
+    surgery = f"{start:.3f} (x{start / report.ppl_before:.3f}) after the surgery, " if start is not None else ""
+    healed = " after healing" if surgery else ""
+    out.print(f"ppl {report.ppl_before:.3f} -> {surgery}{report.ppl_after:.3f}{healed} (x{report.ppl_after / report.ppl_before:.3f})")
 
 
 def heal_record(heal) -> dict | None:
@@ -382,7 +386,7 @@ def heal_record(heal) -> dict | None:
         return None
     return {"steps": heal.steps, "tokens": heal.tokens, "resumed_from": heal.resumed_from, "seconds": heal.seconds,
             "tokens_per_second": heal.tokens_per_second, "trainable_parameters": heal.trainable_parameters,
-            "losses": heal.losses, "evals": heal.evals}
+            "losses": heal.losses, "evals": heal.evals, "ppl_start": heal.ppl_start}
 
 
 def print_heal_summary(heal) -> None:

@@ -49,6 +49,7 @@ class HealReport:
     seconds: float = 0.0
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean loss of the step)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out ppl)
+    ppl_start: float | None = None  # after surgery, before healing, on the command's evaluation windows
 
     @property
     def tokens(self) -> int:

@@ -104,7 +104,12 @@ def finish_surgery(
     if recipe.heal is not None:
         from attnsurg.heal import heal_model, heal_state_dir
 
+        before_healing = None
+        if request.eval_tokens and is_main_process():
+            tokens, windows = scoring_windows(surgery.tokenizer, request.calibration.data, request.eval_tokens, anatomy.max_positions)
+            before_healing = perplexity_of(result, tokens, windows)
         report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed, heal_state_dir(request.output))
+        report.heal.ppl_start = before_healing
         if not is_main_process():  # under `accelerate launch`, one process scores and writes
             return
     if request.eval_tokens:
@@ -119,7 +124,7 @@ def finish_surgery(
     if report.ppl_before is not None:
         info.figures.append(perplexity_row(request.calibration.data, request.eval_tokens, report.ppl_before, report.ppl_after))
     if getattr(report, "heal", None) is not None:
-        add_healing(info, report.heal, recipe.heal)
+        add_healing(info, report.heal, recipe.heal, report.ppl_before)
     report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, info, request.overwrite, extra_files=files))
     if recipe.heal is not None:
         from attnsurg.heal import heal_state_dir, remove_heal_state
@@ -144,7 +149,7 @@ def healing_note(report) -> str:
     return "healed after the surgery (see below)" if getattr(report, "heal", None) is not None else "no healing"
 
 
-def add_healing(info: CardInfo, heal, settings) -> None:
+def add_healing(info: CardInfo, heal, settings, ppl_original: float | None = None) -> None:
     data = settings.data.dataset or str(settings.data.text)
     teacher = settings.teacher.ref if settings.teacher else "the source model"
     info.details.append(
@@ -153,6 +158,9 @@ def add_healing(info: CardInfo, heal, settings) -> None:
         f"{heal.steps} steps of {heal.tokens_per_step} tokens, lr {settings.lr} ({settings.schedule}), training "
         f"{settings.train} ({heal.trainable_parameters:,} parameters), {heal.tokens_per_second:,.0f} tokens/s"
     )
+    if heal.ppl_start is not None and ppl_original is not None:
+        info.figures.append({"metric": "ppl after the surgery, before healing (same windows)",
+                             "before": f"{ppl_original:.3f}", "after": f"{heal.ppl_start:.3f}"})
     if heal.losses:
         info.figures.append({"metric": "distillation loss (first step, last step)",
                              "before": f"{heal.losses[0][1]:.4f}", "after": f"{heal.losses[-1][1]:.4f}"})

@@ -120,7 +120,8 @@ def test_print_recipe_runs_the_same_as_the_command(args, tiny_checkpoints, tmp_p
     assert by_flags.output == by_recipe.output
 
 
-def run_twice(recipe_text: str, tmp_path: Path) -> tuple[Path, Path]:
+def run_twice(recipe_text: str, tmp_path: Path) -> tuple[Path, Path, str]:
+    """Run a recipe, then the recipe its checkpoint carries; the two outputs and the first run's printout."""
     runner = CliRunner()
     path = tmp_path / "recipe.yaml"
     path.write_text(recipe_text)
@@ -129,7 +130,7 @@ def run_twice(recipe_text: str, tmp_path: Path) -> tuple[Path, Path]:
     stored = tmp_path / "first" / "attnsurg_recipe.yaml"
     second = runner.invoke(app, ["run", str(stored), "-o", str(tmp_path / "second")])
     assert second.exit_code == 0, second.output
-    return tmp_path / "first", tmp_path / "second"
+    return tmp_path / "first", tmp_path / "second", first.output
 
 
 @pytest.mark.parametrize(
@@ -145,11 +146,14 @@ def test_a_checkpoint_recipe_reproduces_it_bit_for_bit(steps, tiny_checkpoints, 
         f"model: {tiny_checkpoints['llama-gqa']}\noutput: {tmp_path / 'first'}\nsteps:\n{steps}"
         f"calibration:\n  data: {{text: {corpus_file}}}\n  tokens: 512\n  seq_len: 64\neval:\n  tokens: 128\nseed: 5\n"
     ).replace("- heal: {", f"- heal: {{data: {{text: {corpus_file}}}, ")
-    first, second = run_twice(recipe, tmp_path)
+    first, second, printed = run_twice(recipe, tmp_path)
     for name in ("model.safetensors", "config.json"):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
     stored = load_recipe(first / "attnsurg_recipe.yaml")
     assert stored.seed == 5 and stored.output == first
+    if "heal" in steps:  # the printout and the card also give the ppl between the surgery and healing
+        assert "after the surgery" in printed and "after healing" in printed
+        assert "ppl after the surgery, before healing" in (first / "README.md").read_text()
 
 
 def test_a_recipe_cannot_grant_itself_remote_code(tmp_path):

@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from attnsurg.methods.headtensor import compress_head_tensor, plan_head_tensor
 from attnsurg.modeling.modeling_attnsurg import CPProjection, TuckerProjection
 
 from conftest import build_tiny, greedy_decode_matches_recomputation
-from test_lowrank import REMOTE_LOAD, VOCAB, calibration, held_out, logit_error
+from test_lowrank import VOCAB, calibration, held_out, logit_error, remote_code_matches_attnsurg
 
 
 def decomposed(model, family: str, stats, **plan_args):
@@ -138,8 +136,6 @@ def cp_checkpoint(tiny_checkpoints, corpus_file, tmp_path_factory):
 
 
 def test_cp_checkpoint_reloads_equal_in_attnsurg_and_with_remote_code(cp_checkpoint, tmp_path):
-    from safetensors.torch import load_file
-
     out, record = cp_checkpoint
     assert record["kept_fraction"] <= 0.5 and record["ppl_after"] > 0
     config = json.loads((out / "config.json").read_text())
@@ -148,13 +144,7 @@ def test_cp_checkpoint_reloads_equal_in_attnsurg_and_with_remote_code(cp_checkpo
     with safe_open(out / "model.safetensors", "pt") as f:
         assert "model.layers.0.self_attn.o_proj.factor_hidden" in set(f.keys())
         assert "model.layers.0.self_attn.q_proj.weight" not in set(f.keys())
-    ours = load_model(resolve_source(str(out)))
-    ids = held_out()
-    torch.save(ids, tmp_path / "ids.pt")
-    subprocess.run([sys.executable, "-c", REMOTE_LOAD, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "logits.safetensors")],
-                   check=True, cwd=tmp_path, env={"HF_HOME": str(tmp_path / "hf"), "PATH": ""})
-    with torch.no_grad():
-        assert torch.equal(load_file(tmp_path / "logits.safetensors")["logits"], ours(ids).logits)
+    assert remote_code_matches_attnsurg(out, tmp_path)
 
 
 def test_tucker_reload_equals_in_memory(tiny_checkpoints, tmp_path):

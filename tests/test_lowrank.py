@@ -193,21 +193,27 @@ with torch.no_grad():
 """
 
 
-def test_loads_with_remote_code_and_with_attnsurg_alike(written, tmp_path):
-    """A separate interpreter without attnsurg loads through the copied modeling file; same logits."""
+def remote_code_matches_attnsurg(checkpoint, tmp_path) -> bool:
+    """A separate interpreter without attnsurg loads ``checkpoint`` through its copied modeling file, and its
+    logits on held-out ids equal those of attnsurg's own loader bit for bit."""
     import subprocess
     import sys
 
     from safetensors.torch import load_file
 
-    ours = load_model(resolve_source(str(written)))
-    assert isinstance(ours.model.layers[0].self_attn, LatentKVAttention)
+    ours = load_model(resolve_source(str(checkpoint)))
     ids = held_out()
     torch.save(ids, tmp_path / "ids.pt")
-    subprocess.run([sys.executable, "-c", REMOTE_LOAD, str(written), str(tmp_path / "ids.pt"), str(tmp_path / "logits.safetensors")],
+    subprocess.run([sys.executable, "-c", REMOTE_LOAD, str(checkpoint), str(tmp_path / "ids.pt"), str(tmp_path / "logits.safetensors")],
                    check=True, cwd=tmp_path, env={"HF_HOME": str(tmp_path / "hf"), "PATH": ""})
     with torch.no_grad():
-        assert torch.equal(load_file(tmp_path / "logits.safetensors")["logits"], ours(ids).logits)
+        return torch.equal(load_file(tmp_path / "logits.safetensors")["logits"], ours(ids).logits)
+
+
+def test_loads_with_remote_code_and_with_attnsurg_alike(written, tmp_path):
+    """A separate interpreter without attnsurg loads through the copied modeling file; same logits."""
+    assert isinstance(load_model(resolve_source(str(written))).model.layers[0].self_attn, LatentKVAttention)
+    assert remote_code_matches_attnsurg(written, tmp_path)
 
 
 def test_anatomy_reports_the_latent_cache(written):

@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from attnsurg.methods.stacked_tucker import compress_stacked_tucker, plan_stacke
 from attnsurg.modeling.modeling_attnsurg import StackedTuckerAttention
 
 from conftest import build_tiny, greedy_decode_matches_recomputation
-from test_lowrank import REMOTE_LOAD, VOCAB, calibration, held_out, logit_error
+from test_lowrank import VOCAB, calibration, held_out, logit_error, remote_code_matches_attnsurg
 
 ALL = ("q", "k", "v", "o")
 
@@ -130,8 +128,6 @@ def test_recipe_refuses_stacked_cp():
 
 
 def test_checkpoint_reloads_equal_in_attnsurg_and_with_remote_code(tiny_checkpoints, corpus_file, tmp_path):
-    from safetensors.torch import load_file
-
     out = tmp_path / "st"
     args = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "tucker", "--stacked", "--ranks", "8,24",
             "--calib-text", str(corpus_file), "--calib-tokens", "512", "--eval-tokens", "256", "-o", str(out), "--json"]
@@ -144,13 +140,7 @@ def test_checkpoint_reloads_equal_in_attnsurg_and_with_remote_code(tiny_checkpoi
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.self_attn.factor_hidden" in keys and "model.layers.0.self_attn.q_proj.weight" not in keys
-    ours = load_model(resolve_source(str(out)))
-    ids = held_out()
-    torch.save(ids, tmp_path / "ids.pt")
-    subprocess.run([sys.executable, "-c", REMOTE_LOAD, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "logits.safetensors")],
-                   check=True, cwd=tmp_path, env={"HF_HOME": str(tmp_path / "hf"), "PATH": ""})
-    with torch.no_grad():
-        assert torch.equal(load_file(tmp_path / "logits.safetensors")["logits"], ours(ids).logits)
+    assert remote_code_matches_attnsurg(out, tmp_path)
 
 
 def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):

@@ -51,15 +51,6 @@ def scoring_windows(tokenizer, data: TextData, eval_tokens: int, max_positions: 
     return eval_windows(tokenizer, data.model_copy(update={"part": "eval"}), length, eval_tokens)
 
 
-def perplexity_before_after(
-    source: PreTrainedModel, result: PreTrainedModel, tokenizer, calibration: Calibration, eval_tokens: int,
-    anatomy: AttentionAnatomy,
-) -> tuple[float, float]:
-    """Token ppl of both models on the same first ``eval_tokens`` of the calibration text's eval part."""
-    tokens, windows = scoring_windows(tokenizer, calibration.data, eval_tokens, anatomy.max_positions)
-    return perplexity_of(source, tokens, windows), perplexity_of(result, tokens, windows)
-
-
 def to_source_dtype(model: PreTrainedModel, anatomy: AttentionAnatomy) -> PreTrainedModel:
     """Fitted in float64, evaluated in float32, saved in the source's dtype."""
     model.to(DTYPES.get(anatomy.dtype, torch.float32))
@@ -101,21 +92,19 @@ def finish_surgery(
     """Heal if the recipe says so, score before/after on the same windows, cast to the source dtype, fill
     the report's timing and write the checkpoint with its card and the recipe that made it."""
     recipe = recipe or Recipe.from_request(request)
+    held_out = None  # one set of windows scores the source, the operated model and the healed one
+    if request.eval_tokens and is_main_process():
+        held_out = scoring_windows(surgery.tokenizer, request.calibration.data, request.eval_tokens, anatomy.max_positions)
     if recipe.heal is not None:
         from attnsurg.heal import heal_model, heal_state_dir
 
-        before_healing = None
-        if request.eval_tokens and is_main_process():
-            tokens, windows = scoring_windows(surgery.tokenizer, request.calibration.data, request.eval_tokens, anatomy.max_positions)
-            before_healing = perplexity_of(result, tokens, windows)
+        before_healing = perplexity_of(result, *held_out) if held_out is not None else None
         report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed, heal_state_dir(request.output))
         report.heal.ppl_start = before_healing
         if not is_main_process():  # under `accelerate launch`, one process scores and writes
             return
-    if request.eval_tokens:
-        report.ppl_before, report.ppl_after = perplexity_before_after(
-            surgery.model, result, surgery.tokenizer, request.calibration, request.eval_tokens, anatomy
-        )
+    if held_out is not None:
+        report.ppl_before, report.ppl_after = perplexity_of(surgery.model, *held_out), perplexity_of(result, *held_out)
     to_source_dtype(result, anatomy)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()

@@ -91,13 +91,18 @@ def test_top_k_parsing():
         parse_top_k("a quarter")
 
 
-def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_file, tmp_path):
-    out = tmp_path / "loki"
-    args = ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "loki", "--rank", "4", "--top-k", "1/4",
-            "--calib-text", str(corpus_file), "--calib-tokens", "512", "--eval-tokens", "256", "-o", str(out), "--json"]
+def compress_loki(checkpoint, corpus_file, out, *options: str) -> dict:
+    """``attnsurg compress --method loki`` on a tiny checkpoint with ``options``; its JSON record."""
+    args = ["compress", str(checkpoint), "--method", "loki", *options, "--calib-text", str(corpus_file),
+            "--calib-tokens", "512", "-o", str(out), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
+    return json.loads(result.stdout)
+
+
+def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_file, tmp_path):
+    out = tmp_path / "loki"
+    record = compress_loki(tiny_checkpoints["llama-gqa"], corpus_file, out, "--rank", "4", "--top-k", "1/4", "--eval-tokens", "256")
     assert record["rank"] == 4 and record["top_k"] == 0.25 and record["ppl_after"] > 0
     config = json.loads((out / "config.json").read_text())
     assert config["attnsurg"]["loki"] == {"rank": 4, "top_k": 0.25, "basis": "post-rope"}
@@ -120,11 +125,7 @@ def test_cli_variance_writes_per_layer_ranks_that_reload(tiny_checkpoints, corpu
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "loki"
-    args = ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "loki", "--variance", "0.9", "--top-k", "16",
-            "--calib-text", str(corpus_file), "--calib-tokens", "512", "--eval-tokens", "0", "-o", str(out), "--json"]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
+    record = compress_loki(tiny_checkpoints["llama-gqa"], corpus_file, out, "--variance", "0.9", "--top-k", "16", "--eval-tokens", "0")
     config = json.loads((out / "config.json").read_text())["attnsurg"]["loki"]
     assert config["rank"] == record["ranks"] and len(config["rank"]) == 2 and config["variance"] == 0.9
     reloaded = AutoModelForCausalLM.from_pretrained(out)

@@ -72,7 +72,7 @@ def run_with_input_hooks(model: nn.Module, modules: list[nn.Module], windows: to
     try:
         with ui.progress_bar("Calibrating", total=len(windows), unit="windows") as advance:
             for window in windows:
-                model(input_ids=window[None].to(device), use_cache=False)
+                model(input_ids=window[None].to(device), use_cache=False, logits_to_keep=1)  # the hooks see it all
                 advance()
     finally:
         for handle in handles:

@@ -1,7 +1,8 @@
 """MLA conversion of the demo model at several KV budgets, against the original in the same run.
 
     python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--unweighted]
-                                    [--refine-steps 40] [--refine-tokens 2048] [--rope-layout standard]
+                                    [--refine-steps 40] [--refine-tokens 2048] [--refine-queries 128]
+                                    [--rope-layout standard]
 
 Calibrates on the calibration half of wiki-sample, evaluates on the first WINDOWS x 1024 tokens of its
 evaluation half (disjoint windows, fp32), converts in memory (closed form, then --refine-steps of layer-wise
@@ -26,6 +27,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
+from attnsurg.methods import mla as mla_method
 from attnsurg.methods.mla import convert, plan_mla
 from attnsurg.recipe import TextData
 
@@ -51,8 +53,12 @@ def main() -> None:
     parser.add_argument("--refine-steps", type=int, default=40)
     parser.add_argument("--rope-layout", default="standard", choices=["standard", "flexible"])
     parser.add_argument("--refine-tokens", type=int, default=2048)
+    parser.add_argument("--refine-lr", type=float, default=1e-3)
+    parser.add_argument("--refine-queries", type=int, default=mla_method.REFINE_STEP_QUERIES,
+                        help="query positions scored per refinement step")
     parser.add_argument("--context", type=int, default=4096)
     args = parser.parse_args()
+    mla_method.REFINE_STEP_QUERIES = args.refine_queries
 
     source = resolve_source(args.model)
     model, tokenizer = load_model(source), load_tokenizer(source)
@@ -67,7 +73,7 @@ def main() -> None:
         start = time.perf_counter()
         windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
         result = convert(model, family, windows, plan_mla(anatomy, kv_budget=budget, layout=args.rope_layout),
-                         not args.unweighted, args.refine_steps, args.refine_tokens)
+                         not args.unweighted, args.refine_steps, args.refine_tokens, args.refine_lr)
         mla, plan = result.model, result.plan
         seconds = time.perf_counter() - start
         ppl = perplexity_of(mla, tokens, eval_plan)
@@ -82,7 +88,7 @@ def main() -> None:
         layout = f"{r['rope_dim']} + {r['kv_rank']} + 1" if "rope_dim" in r else "original"
         print(f"| {r['budget']} | {r['values']} | {layout} | {r['ppl']:.3f} | {r['ratio']:.3f} | {r['convert_s']:.1f} | {r['cache_bytes']:,} |")
     print(f"\npeak memory of this process: {peak:.2f} GB; weighted latent: {not args.unweighted}; "
-          f"refinement: {args.refine_steps} steps on {args.refine_tokens} tokens; RoPE layout: {args.rope_layout}")
+          f"refinement: {args.refine_steps} steps on {args.refine_tokens} tokens, {args.refine_queries} queries a step; RoPE layout: {args.rope_layout}")
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
     (results / "mla_budget.json").write_text(json.dumps({"rows": rows, "peak_memory_gb": peak}, indent=2))

@@ -10,7 +10,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
-from attnsurg.methods.mla import convert, plan_mla
+from attnsurg.methods.mla import causal_mask, convert, plan_mla, sampled_output
 from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
 
 from conftest import build_tiny
@@ -53,6 +53,28 @@ def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
     refined, errors = relative_logit_error(40)
     assert len(errors) == 2 and all(after < 0.5 * before for before, after in errors), errors
     assert refined < 0.9 * closed_form
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_sampled_output_is_the_attention_output_at_those_rows(q_lora_rank, interleave):
+    """Refinement scores a subset of query rows against every key: it must be the module's own computation."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    config = DeepseekV3Config(hidden_size=48, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=12,
+                              q_lora_rank=q_lora_rank, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+                              rope_interleave=interleave, attention_bias=True)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attention = DeepseekV3Attention(config, 0)
+    x = torch.randn(2, 20, 48)
+    rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(20)[None])
+    with torch.no_grad():
+        full = attention(hidden_states=x, position_embeddings=rope, attention_mask=causal_mask(20))[0]
+        rows = torch.tensor([0, 3, 4, 11, 19])
+        assert torch.allclose(sampled_output(attention, x, rope, rows), full[:, rows], atol=1e-6)
+        assert torch.allclose(sampled_output(attention, x, rope, torch.arange(20)), full, atol=1e-6)
 
 
 @pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2)])

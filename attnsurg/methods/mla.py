@@ -34,7 +34,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedModel
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Attention,
+    DeepseekV3RotaryEmbedding,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_interleave,
+)
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
@@ -46,6 +51,7 @@ from attnsurg.methods import MethodSpec, register
 # Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
 NORM_CONSTANT = 2.0**24
 REFINE_STEP_TOKENS = 512  # tokens per refinement step: whole windows, at least one
+REFINE_STEP_QUERIES = 128  # query positions scored per step; every key and value of the windows is kept
 SUPPORTED_ROPE = ("default", "llama3")
 
 
@@ -458,40 +464,78 @@ def freeze_norm_channel(attention: DeepseekV3Attention, rank: int) -> list[torch
     return [p for p in attention.parameters() if p.requires_grad]
 
 
+def sampled_output(attention: DeepseekV3Attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   rows: torch.Tensor) -> torch.Tensor:
+    """The attention output at query positions ``rows`` only, every key and value kept: the same computation
+    as ``attention.forward`` (tested equal), at the cost of len(rows) queries instead of all."""
+    batch, length = x.shape[:2]
+    config = attention.config
+    if attention.q_a_proj is None:
+        q = attention.q_proj(x[:, rows])
+    else:
+        q = attention.q_b_proj(attention.q_a_layernorm(attention.q_a_proj(x[:, rows])))
+    q = q.view(batch, len(rows), -1, attention.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [attention.qk_nope_head_dim, attention.qk_rope_head_dim], dim=-1)
+    latent, k_rot = torch.split(attention.kv_a_proj_with_mqa(x), [config.kv_lora_rank, attention.qk_rope_head_dim], dim=-1)
+    latent = attention.kv_a_layernorm(latent).view(batch, 1, length, config.kv_lora_rank)
+    k_rot = k_rot.view(batch, 1, length, attention.qk_rope_head_dim)
+    cos, sin = rope
+    rotate = apply_rotary_pos_emb_interleave if config.rope_interleave else apply_rotary_pos_emb
+    q_rot, _ = rotate(q_rot, q_rot[..., :1, :], cos[:, rows], sin[:, rows])
+    _, k_rot = rotate(k_rot[..., :1, :], k_rot, cos, sin)
+    keys, values = attention.expand_kv(latent, k_rot)
+    visible = rows[:, None] >= torch.arange(length)[None]
+    output = torch.nn.functional.scaled_dot_product_attention(
+        torch.cat([q_pass, q_rot], dim=-1), keys, values, attn_mask=visible, scale=attention.scaling
+    )
+    return attention.o_proj(output.transpose(1, 2).reshape(batch, len(rows), -1))
+
+
 def refine_layer(
     w: MLAWeights, config: DeepseekV3Config, index: int, o_weight: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
     steps: int, lr: float,
-) -> tuple[MLAWeights, float, float, DeepseekV3Attention]:
-    """Adam on the converted layer so its output on the windows ``x`` matches ``target``, each step on the next
-    REFINE_STEP_TOKENS worth of windows in turn; returns the better weights, the relative error on all windows
-    before and after, and the module holding the returned weights. The closed form is kept when refinement
-    does not improve it.
+) -> tuple[MLAWeights, float, float, torch.Tensor]:
+    """Adam on the converted layer so its output on the windows ``x`` matches ``target``; returns the better
+    weights, the relative error before and after (on REFINE_STEP_QUERIES fixed query rows of every window),
+    and the layer's output on ``x`` with the returned weights. The closed form is kept when refinement does
+    not improve it.
 
-    Minibatches, not the full batch: on the demo model 40 steps of one 512-token window reached a lower
-    layer error than 20 full-batch steps over 4 windows at half the compute, and 80 steps a much lower one."""
-    mask = causal_mask(x.shape[1])
-    rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(x.shape[1])[None])
+    Each step takes the next REFINE_STEP_TOKENS worth of windows in turn and scores REFINE_STEP_QUERIES random
+    query positions of them against all their keys and values. On the demo model 40 steps of one 512-token
+    window reached a lower layer error than 20 full-batch steps over 4 windows at half the compute, and
+    scoring a quarter of the queries per step cut a step's cost about threefold for the same error
+    (benchmarks/mla_budget.py)."""
+    length = x.shape[1]
+    rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(length)[None])
     energy = target.pow(2).mean()
     attention = mla_attention(config, index, w, o_weight)
+    queries = min(length, REFINE_STEP_QUERIES)
+    generator = torch.Generator().manual_seed(index)
 
-    def relative_error(windows: slice = slice(None)) -> torch.Tensor:
-        output = attention(hidden_states=x[windows], position_embeddings=rope, attention_mask=mask)[0]
-        return (output - target[windows]).pow(2).mean() / energy
+    def random_rows() -> torch.Tensor:
+        return torch.randperm(length, generator=generator)[:queries].sort().values
 
+    def error_at(rows: torch.Tensor, windows: slice = slice(None)) -> torch.Tensor:
+        return (sampled_output(attention, x[windows], rope, rows) - target[windows][:, rows]).pow(2).mean() / energy
+
+    checked = random_rows()  # the same rows of every window score the closed form and the refined layer
     with torch.no_grad():
-        before = relative_error().item()
-    optimizer = torch.optim.Adam(freeze_norm_channel(attention, config.kv_lora_rank - 1), lr=lr)
-    per_step = min(x.shape[0], max(1, REFINE_STEP_TOKENS // x.shape[1]))
+        before = error_at(checked).item()
+    optimizer = torch.optim.Adam(freeze_norm_channel(attention, config.kv_lora_rank - 1), lr=lr, fused=True)
+    per_step = min(x.shape[0], max(1, REFINE_STEP_TOKENS // length))
     with torch.enable_grad():
         for step in range(steps):
             first = (step * per_step) % x.shape[0]
             optimizer.zero_grad()
-            relative_error(slice(first, first + per_step)).backward()
+            error_at(random_rows(), slice(first, first + per_step)).backward()
             optimizer.step()
     with torch.no_grad():
-        after = relative_error().item()
+        after = error_at(checked).item()
+        if after >= before:
+            attention = mla_attention(config, index, w, o_weight)
+        output = sampled_output(attention, x, rope, torch.arange(length))
     if after >= before:
-        return w, before, before, mla_attention(config, index, w, o_weight)
+        return w, before, before, output
     if attention.q_b_proj is not None:
         q_b = attention.q_b_proj.weight.detach().double()
         q_proj, q_bias = q_b[:, :-1], q_b[:, -1]
@@ -506,7 +550,7 @@ def refine_layer(
         kv_b_proj=attention.kv_b_proj.weight.detach().double(),
         o_bias=w.o_bias,
     )
-    return refined, before, after, attention
+    return refined, before, after, output
 
 
 class SequentialRefiner:
@@ -515,13 +559,11 @@ class SequentialRefiner:
     norm(h'_l) and is fitted to h_l + a_l - h'_l, where h_l, a_l are the original model's residual stream and
     attention output and h'_l is the converted model's residual stream."""
 
-    def __init__(self, source: PreTrainedModel, family: Family, windows: torch.Tensor, config: DeepseekV3Config):
-        from attnsurg.calibrate import decoder_inputs
-
+    def __init__(self, source: PreTrainedModel, family: Family, residuals: list[torch.Tensor], config: DeepseekV3Config):
         self.source, self.family, self.config = source, family, config
-        self.residuals = decoder_inputs(source, family, windows)
+        self.residuals = residuals  # the original model's decoder-layer inputs on the refinement windows
         self.stream = self.residuals[0].clone()
-        length = windows.shape[1]
+        length = self.stream.shape[1]
         self.mask = causal_mask(length)
         self.positions = torch.arange(length)[None]
 
@@ -535,14 +577,13 @@ class SequentialRefiner:
         attended = source_attn(hidden_states=norm(original), position_embeddings=source_rope, attention_mask=self.mask)[0]
         x = norm(self.stream)
         target = original + attended - self.stream
-        w, before, after, attention = refine_layer(w, self.config, index, source_attn.o_proj.weight, x, target, steps, lr)
-        self.advance(layer, attention, x)
+        w, before, after, output = refine_layer(w, self.config, index, source_attn.o_proj.weight, x, target, steps, lr)
+        self.advance(layer, output)
         return w, before, after
 
-    def advance(self, layer, attention: DeepseekV3Attention, x: torch.Tensor) -> None:
-        """Run the converted decoder layer: attention, then the original MLP on the new stream."""
-        rope = DeepseekV3RotaryEmbedding(self.config)(x[:1], self.positions)
-        self.stream = self.stream + attention(hidden_states=x, position_embeddings=rope, attention_mask=self.mask)[0]
+    def advance(self, layer, attended: torch.Tensor) -> None:
+        """Finish the converted decoder layer from its attention output: the original MLP on the new stream."""
+        self.stream = self.stream + attended
         post_norm = getattr(layer, self.family.post_attention_norm)
         self.stream = self.stream + getattr(layer, self.family.mlp)(post_norm(self.stream))
 
@@ -561,15 +602,23 @@ def convert(
 ) -> MLAConversion:
     """Convert every layer from calibration windows (token ids): the closed form from the attention inputs'
     second moment over all windows, then optional sequential refinement on the first ``refine_tokens``."""
-    from attnsurg.calibrate import attention_inputs, second_moment
+    from attnsurg.calibrate import decoder_inputs, second_moment
 
-    sigmas = [second_moment(x) for x in attention_inputs(source, family, windows)]
-    attentions = [source.get_submodule(f"{family.layers_path}.{i}.{family.attention_attr}") for i in range(len(sigmas))]
+    # One pass over the calibration windows: the decoder-layer inputs give both the attention inputs' second
+    # moments (after each layer's input norm) and the residual stream refinement starts from.
+    residuals = decoder_inputs(source, family, windows)
+    layers_of_source = source.get_submodule(family.layers_path)
+    sigmas = [second_moment(getattr(layer, family.input_norm)(h)) for layer, h in zip(layers_of_source, residuals)]
+    attentions = [getattr(layer, family.attention_attr) for layer in layers_of_source]
     config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
     config._attn_implementation = "sdpa"  # standalone modules in refinement; the mask is passed explicitly
     refiner = None
     if refine_steps:
-        refiner = SequentialRefiner(source, family, windows[: max(1, refine_tokens // windows.shape[1])], config)
+        keep = max(1, refine_tokens // windows.shape[1])
+        for index, h in enumerate(residuals):  # only the refinement windows stay, one layer at a time
+            residuals[index] = h[:keep].clone()
+        refiner = SequentialRefiner(source, family, residuals, config)
+    del residuals
     layers, errors = [], []
     for index, (attn, sigma) in enumerate(zip(attentions, sigmas)):
         weights = fit_layer(attn, sigma, plan, weighted)

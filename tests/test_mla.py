@@ -10,7 +10,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
-from attnsurg.methods.mla import causal_mask, convert, plan_mla, sampled_output
+from attnsurg.methods.mla import causal_mask, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output
 from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
 
 from conftest import build_tiny
@@ -75,6 +75,38 @@ def test_sampled_output_is_the_attention_output_at_those_rows(q_lora_rank, inter
         rows = torch.tensor([0, 3, 4, 11, 19])
         assert torch.allclose(sampled_output(attention, x, rope, rows), full[:, rows], atol=1e-6)
         assert torch.allclose(sampled_output(attention, x, rope, torch.arange(20)), full, atol=1e-6)
+
+
+def test_per_token_scale_keeps_one_huge_unreachable_target_from_ruling_the_refinement():
+    """As the attention sink does in a real model: one token per window whose target is far out of reach. Measured
+    relative to each token's size, the other tokens are fitted as well as if it were not there."""
+    from attnsurg.calibrate import attention_inputs, second_moment
+
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.25)
+    windows = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(1))
+    x = attention_inputs(model, LLAMA, windows)[0]
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        rope = model.model.rotary_emb(x[:1], torch.arange(64)[None])
+        clean = attn(hidden_states=x, position_embeddings=rope, attention_mask=causal_mask(64))[0]
+    sink = clean.clone()
+    sink[:, 0] += 1e3 * clean.norm(dim=-1).mean() * torch.randn(4, clean.shape[-1], generator=torch.Generator().manual_seed(2))
+    config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
+    config._attn_implementation = "sdpa"
+    start = fit_layer(attn, second_moment(x), plan)
+
+    def rest_error(target: torch.Tensor, token_scale=None) -> float:
+        output = refine_layer(start, config, 0, attn.o_proj.weight, x, target, 30, 3e-3, token_scale)[3]
+        return ((output - clean)[:, 1:].pow(2).mean() / clean[:, 1:].pow(2).mean()).item()
+
+    closed_form = refine_layer(start, config, 0, attn.o_proj.weight, x, clean, 0, 3e-3)[3]
+    closed_form_error = ((closed_form - clean)[:, 1:].pow(2).mean() / clean[:, 1:].pow(2).mean()).item()
+    without_sink = rest_error(clean)
+    scaled = rest_error(sink, sink.pow(2).mean(-1, keepdim=True).rsqrt())
+    unscaled = rest_error(sink)
+    assert without_sink < 0.8 * closed_form_error
+    assert scaled < 1.5 * without_sink and scaled < 0.1 * unscaled, (closed_form_error, without_sink, scaled, unscaled)
 
 
 @pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2)])

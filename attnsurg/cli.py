@@ -304,7 +304,7 @@ def convert(
     calib_tokens: CalibTokens = 4096,
     unweighted: Annotated[bool, typer.Option("--unweighted", help="Plain PCA for the latent (no consumer weighting).")] = False,
     refine_steps: Annotated[
-        int, typer.Option("--refine-steps", help="Adam steps per layer (512 calibration tokens each) against the original layer's output (0: closed form only).")
+        int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of a 512-token calibration window each) against the original layer's output (0: closed form only).")
     ] = 40,
     refine_tokens: Annotated[int, typer.Option("--refine-tokens", help="Calibration tokens used for refinement.")] = 2048,
     refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate.")] = 1e-3,

@@ -9,7 +9,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.info import inspect_model
 from attnsurg.heal import HealReport
 from attnsurg.io.card import CardInfo
-from attnsurg.methods.mla import REFINE_STEP_TOKENS, MLAPlan, convert, plan_mla
+from attnsurg.methods.mla import REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, MLAPlan, convert, plan_mla
 from attnsurg.pipeline import base_model_id, command_line, finish_surgery, healing_note, start_surgery
 from attnsurg.recipe import ConvertMLA, Recipe
 
@@ -115,8 +115,9 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"RoPE components kept per frequency, highest first: {list(plan.counts)})",
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}",
             f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "
-            + (f"then {request.refine_steps} Adam steps per layer, each on the next {REFINE_STEP_TOKENS} of the first "
-               f"{request.refine_tokens} tokens, against the original layer's output" if request.refine_steps
+            + (f"then {request.refine_steps} Adam steps per layer, each scoring {REFINE_STEP_QUERIES} query positions "
+               f"of the next {REFINE_STEP_TOKENS} of the first {min(request.refine_tokens, calib.tokens)} tokens against "
+               "the original layer's output, relative to the original stream's size at each token" if request.refine_steps
                else "no refinement")
             + "; " + healing_note(report),
         ],

@@ -218,8 +218,24 @@ class HealSettings(Strict):
 
 
 # ------------------------------------------------------------------------------- requests (one command)
+def check_refinement_fits(settings: MLASettings, calibration: Calibration) -> None:
+    """Refinement reads the first refine_tokens of the calibration windows: a count asked for beyond them is an
+    error; the default reads what there is, up to 2048."""
+    default = MLASettings.model_fields["refine_tokens"].default
+    if settings.refine_steps and settings.refine_tokens > calibration.tokens and settings.refine_tokens != default:
+        raise ValueError(
+            f"refinement reads {settings.refine_tokens} tokens (refine_tokens, --refine-tokens) but calibration has "
+            f"{calibration.tokens} (calibration.tokens, --calib-tokens); raise the one or lower the other"
+        )
+
+
 class ConvertMLA(MLASettings, SurgeryContext):
     """``attnsurg convert MODEL --to mla``: GQA/MHA to a DeepseekV3 (latent attention) checkpoint."""
+
+    @model_validator(mode="after")
+    def _refinement_fits(self) -> ConvertMLA:
+        check_refinement_fits(self, self.calibration)
+        return self
 
 
 class CompressLowRank(LowRankSettings, SurgeryContext):
@@ -325,6 +341,9 @@ class Recipe(Strict):
             raise ValueError("a heal-only recipe names its teacher (steps[0].heal.teacher): the original model")
         if surgeries and self.heal is not None and self.heal.teacher is not None:
             raise ValueError("after a surgery step the source model is the teacher; remove heal.teacher")
+        for step in self.steps:
+            if isinstance(getattr(step, "convert", None), MLASettings):
+                check_refinement_fits(step.convert, self.calibration)
         return self
 
     @property

@@ -59,15 +59,12 @@ def test_demo_model_converts_to_mla_that_stock_transformers_runs(demo_model, wik
         model=ModelRef(ref="smollm2-135m"),
         output=tmp_path / "mla",
         kv_budget=0.5,
-        calibration=Calibration(tokens=2048),
-        refine_steps=5,
-        refine_tokens=1024,
         eval_tokens=1024,
     )
     report = run_convert(request)
-    # Closed form x1.93 and 40 refinement steps x1.23 on 4 x 1024 tokens (benchmarks/mla_budget.py); this
-    # short refinement keeps the test quick, and the bound catches breakage.
-    assert report.ppl_after / report.ppl_before < 2.5
+    # The default conversion: closed form x1.93, refined x1.24 on 4 x 1024 tokens (benchmarks/mla_budget.py).
+    # Shorter refinements (5 or 10 steps over 1024 tokens) pass the bound but lose "Paris" below.
+    assert report.ppl_after / report.ppl_before < 1.5
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "mla")
     prompt = tokenizer("The capital of France is", return_tensors="pt")

@@ -207,6 +207,10 @@ def test_cli_dry_run_prints_the_plan_and_writes_nothing(tiny_checkpoints, tmp_pa
     assert not (tmp_path / "out").exists()
     bad = runner.invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--kv-budget", "2", "--dry-run"])
     assert bad.exit_code == 2 and "must be in (0, 1]" in bad.stderr
+    too_much = runner.invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--refine-tokens", "8192",
+                                   "--calib-tokens", "4096", "-o", str(tmp_path / "out")])
+    assert too_much.exit_code == 2 and "--calib-tokens" in too_much.stderr and len(too_much.stderr.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
 
 
 def test_output_keeps_the_source_dtype(tiny_checkpoints, corpus_file, tmp_path):

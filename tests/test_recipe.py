@@ -58,6 +58,8 @@ BAD = {
                            "<recipe>:6: steps[0].heal.tokenz: unknown key"),
     "two surgeries": ("model: m\noutput: o\nsteps:\n  - convert: {}\n  - compress: {method: cp}\n", "at most one convert or compress"),
     "heal first": ("model: m\noutput: o\nsteps:\n  - heal: {}\n  - convert: {}\n", "comes first"),
+    "refinement beyond calibration": ("model: m\noutput: o\nsteps:\n  - convert: {refine_tokens: 8192}\n",
+                                      "refinement reads 8192 tokens (refine_tokens, --refine-tokens) but calibration has 4096"),
     "not yaml": ("model: m\noutput: [\n", "not valid YAML"),
     "not a mapping": ("- a\n- b\n", "a recipe is a YAML mapping"),
 }

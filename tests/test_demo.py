@@ -53,7 +53,7 @@ def test_demo_model_converts_to_mla_that_stock_transformers_runs(demo_model, wik
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from attnsurg.convert import run_convert
-    from attnsurg.recipe import Calibration, ConvertMLA
+    from attnsurg.recipe import ConvertMLA
 
     request = ConvertMLA(
         model=ModelRef(ref="smollm2-135m"),

@@ -348,7 +348,7 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
 
     rows = plan_rows(report.plan, report.anatomy)
     if json_output:
-        record = {"plan": rows, "written": report.written, "seconds": report.seconds,
+        record = {"plan": rows, "written": report.written, "seconds": report.seconds, "convert_seconds": report.convert_seconds,
                   "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
                   "layer_errors": report.layer_errors, "heal": heal_record(report.heal)}
         print(json.dumps(record, indent=2))
@@ -364,7 +364,8 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
     )
     out.print(table)
     if report.written:
-        out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
+        out.print(f"wrote {report.written} in {report.seconds:.1f} s (conversion {report.convert_seconds:.1f} s, "
+                  f"calibration included), peak memory {report.peak_memory_gb:.2f} GB")
     if report.mean_layer_error:
         before, after = report.mean_layer_error
         out.print(f"mean relative layer error against the original residual stream: {before:.4f} -> {after:.4f} (refinement)")

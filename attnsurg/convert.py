@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from attnsurg import ui
@@ -20,6 +21,7 @@ class ConvertReport:
     anatomy: AttentionAnatomy
     written: str | None = None
     seconds: float = 0.0
+    convert_seconds: float = 0.0  # calibration, closed form and refinement: not loading, scoring or writing
     peak_memory_gb: float = 0.0
     ppl_before: float | None = None
     ppl_after: float | None = None
@@ -68,11 +70,13 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     if dry_run:
         return report
     surgery = start_surgery(request, source, anatomy)
+    started = time.perf_counter()
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
         result = convert(
             surgery.model, surgery.family, surgery.windows, plan, request.weighted,
             request.refine_steps, request.refine_tokens, request.refine_lr, progress=advance,
         )
+    report.convert_seconds = time.perf_counter() - started
     report.plan, report.layer_errors = result.plan, result.layer_errors
     finish_surgery(surgery, result.model, request, anatomy, report, lambda: mla_card(request, report), recipe=recipe)
     return report

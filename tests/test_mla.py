@@ -157,6 +157,7 @@ def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, tiny_
     assert "ppl" in card and "calibration part" in card
     assert (tmp_path / "mla" / "attnsurg_recipe.yaml").is_file()
     assert report.ppl_after is not None and report.ppl_after > 0
+    assert 0 < report.convert_seconds < report.seconds
 
 
 def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):

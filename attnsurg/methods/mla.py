@@ -618,7 +618,7 @@ def convert(
     sigmas = [second_moment(getattr(layer, family.input_norm)(h)) for layer, h in zip(layers_of_source, residuals)]
     attentions = [getattr(layer, family.attention_attr) for layer in layers_of_source]
     config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
-    config._attn_implementation = "sdpa"  # standalone modules in refinement; the mask is passed explicitly
+    config._attn_implementation = "sdpa"  # the standalone refinement modules (sampled_output calls sdpa itself)
     refiner = None
     if refine_steps:
         keep = max(1, refine_tokens // windows.shape[1])

@@ -506,8 +506,8 @@ def refine_layer(
     Each step takes the next REFINE_STEP_TOKENS worth of windows in turn and scores REFINE_STEP_QUERIES random
     query positions of them against all their keys and values. On the demo model 40 steps of one 512-token
     window reached a lower layer error than 20 full-batch steps over 4 windows at half the compute; scoring a
-    quarter of the queries per step then cut the default conversion from 109 s to about 55 s for a ppl ratio
-    1-3% higher (benchmarks/mla_budget.py). ``token_scale`` ([n, L, 1]) weights each token's error."""
+    quarter of the queries per step then halves the default conversion (103 s -> 55 s at 0.5) for a ppl ratio
+    2-6% higher (benchmarks/mla_budget.py --refine-queries 512 against the default). ``token_scale`` ([n, L, 1]) weights each token's error."""
     length = x.shape[1]
     rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(length)[None])
     token_scale = torch.ones(*x.shape[:2], 1) if token_scale is None else token_scale

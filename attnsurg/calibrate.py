@@ -45,11 +45,6 @@ def attention_inputs(model: nn.Module, family: Family, windows: torch.Tensor) ->
     return captured_inputs(model, attention_layers(model, family), windows)
 
 
-def decoder_inputs(model: nn.Module, family: Family, windows: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer, the residual stream entering the decoder layer: ``[n, seq_len, D]``, CPU float32."""
-    return captured_inputs(model, list(model.get_submodule(family.layers_path)), windows)
-
-
 @torch.no_grad()  # not inference_mode: refinement trains on these tensors
 def captured_inputs(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor) -> list[torch.Tensor]:
     """The ``hidden_states`` each module receives while the model runs over the windows."""

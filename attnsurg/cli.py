@@ -306,7 +306,9 @@ def convert(
     refine_steps: Annotated[
         int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of a 512-token calibration window each) against the original layer's output (0: closed form only).")
     ] = 40,
-    refine_tokens: Annotated[int, typer.Option("--refine-tokens", help="Calibration tokens used for refinement.")] = 2048,
+    refine_tokens: Annotated[
+        Optional[int], typer.Option("--refine-tokens", help="Calibration tokens used for refinement [default: the first 2048].")
+    ] = None,
     refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate.")] = 1e-3,
     eval_tokens: EvalTokens = 2048,
     dry_run: DryRun = False,

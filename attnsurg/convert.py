@@ -10,7 +10,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.info import inspect_model
 from attnsurg.heal import HealReport
 from attnsurg.io.card import CardInfo
-from attnsurg.methods.mla import REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, MLAPlan, convert, plan_mla
+from attnsurg.methods.mla import DEFAULT_REFINE_TOKENS, REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, MLAPlan, convert, plan_mla
 from attnsurg.pipeline import base_model_id, command_line, finish_surgery, healing_note, start_surgery
 from attnsurg.recipe import ConvertMLA, Recipe
 
@@ -63,6 +63,10 @@ def plan_request(request: ConvertMLA):
     return source, anatomy, plan
 
 
+def refine_tokens_of(request: ConvertMLA) -> int:
+    return DEFAULT_REFINE_TOKENS if request.refine_tokens is None else request.refine_tokens
+
+
 def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | None = None) -> ConvertReport:
     """Convert (and heal, when ``recipe`` has a heal step); with ``dry_run`` only plan."""
     source, anatomy, plan = plan_request(request)
@@ -74,7 +78,7 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
         result = convert(
             surgery.model, surgery.family, surgery.windows, plan, request.weighted,
-            request.refine_steps, request.refine_tokens, request.refine_lr, progress=advance,
+            request.refine_steps, refine_tokens_of(request), request.refine_lr, progress=advance,
         )
     report.convert_seconds = time.perf_counter() - started
     report.plan, report.layer_errors = result.plan, result.layer_errors
@@ -120,7 +124,7 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}",
             f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "
             + (f"then {request.refine_steps} Adam steps per layer, each scoring {REFINE_STEP_QUERIES} query positions "
-               f"of the next {REFINE_STEP_TOKENS} of the first {min(request.refine_tokens, calib.tokens)} tokens against "
+               f"of the next {REFINE_STEP_TOKENS} of the first {min(refine_tokens_of(request), calib.tokens)} tokens against "
                "the original layer's output, relative to the original stream's size at each token" if request.refine_steps
                else "no refinement")
             + "; " + healing_note(report),

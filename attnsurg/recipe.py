@@ -117,7 +117,7 @@ class MLASettings(Strict):
     rope_layout: Literal["standard", "flexible"] = "standard"
     weighted: bool = True
     refine_steps: int = Field(40, ge=0)
-    refine_tokens: int = Field(2048, gt=0)
+    refine_tokens: int | None = Field(None, gt=0)  # None: the first 2048 calibration tokens, or all when fewer
     refine_lr: float = Field(1e-3, gt=0)
 
 
@@ -220,9 +220,8 @@ class HealSettings(Strict):
 # ------------------------------------------------------------------------------- requests (one command)
 def check_refinement_fits(settings: MLASettings, calibration: Calibration) -> None:
     """Refinement reads the first refine_tokens of the calibration windows: a count asked for beyond them is an
-    error; the default reads what there is, up to 2048."""
-    default = MLASettings.model_fields["refine_tokens"].default
-    if settings.refine_steps and settings.refine_tokens > calibration.tokens and settings.refine_tokens != default:
+    error; unset, it reads what there is, up to 2048."""
+    if settings.refine_steps and settings.refine_tokens is not None and settings.refine_tokens > calibration.tokens:
         raise ValueError(
             f"refinement reads {settings.refine_tokens} tokens (refine_tokens, --refine-tokens) but calibration has "
             f"{calibration.tokens} (calibration.tokens, --calib-tokens); raise the one or lower the other"

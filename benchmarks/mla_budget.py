@@ -32,7 +32,7 @@ from attnsurg.methods.mla import convert, plan_mla
 from attnsurg.recipe import TextData
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the dtype round trip would leave inference-tensor weights behind
 def cache_bytes_at(model, context: int) -> int:
     """Bytes the transformers cache holds after a forward over ``context`` tokens (bf16 model)."""
     model = model.to(torch.bfloat16)

@@ -55,6 +55,37 @@ def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
     assert refined < 0.9 * closed_form
 
 
+def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(monkeypatch):
+    """With a perfect fit at every layer the converted stream follows the original, which the refiner carries
+    itself from the embeddings: both equal the model's own hidden states layer after layer. Each layer is
+    asked for the original's residual update from the converted stream, every token relative to the
+    original stream's size there."""
+    from attnsurg.methods import mla
+
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
+    ids = torch.randint(0, 384, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+    asked = []
+
+    def perfect_fit(w, config, index, o_weight, x, target, steps, lr, token_scale):
+        asked.append((target, token_scale))
+        return w, 1.0, 0.0, target
+
+    monkeypatch.setattr(mla, "refine_layer", perfect_fit)
+    refiner = mla.SequentialRefiner(model, LLAMA, hidden[0].clone(), deepseek_config(model, plan, model.model.rotary_emb.inv_freq))
+    attention = model.model.layers[0].self_attn
+    for index in range(model.config.num_hidden_layers):
+        stream = refiner.stream.clone()
+        refiner.refine(index, fit_layer(attention, torch.eye(model.config.hidden_size + 1, dtype=torch.float64), plan), 1, 1e-3)
+        target, token_scale = asked[-1]
+        torch.testing.assert_close(token_scale, (stream + target).pow(2).mean(-1, keepdim=True).rsqrt())
+        expected = model.model.norm(refiner.original) if index == model.config.num_hidden_layers - 1 else refiner.original
+        torch.testing.assert_close(expected, hidden[index + 1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(refiner.stream, refiner.original, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("q_lora_rank", [None, 24])
 @pytest.mark.parametrize("interleave", [True, False])
 def test_sampled_output_is_the_attention_output_at_those_rows(q_lora_rank, interleave):

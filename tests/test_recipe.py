@@ -60,6 +60,9 @@ BAD = {
     "heal first": ("model: m\noutput: o\nsteps:\n  - heal: {}\n  - convert: {}\n", "comes first"),
     "refinement beyond calibration": ("model: m\noutput: o\nsteps:\n  - convert: {refine_tokens: 8192}\n",
                                       "refinement reads 8192 tokens (refine_tokens, --refine-tokens) but calibration has 4096"),
+    "explicit refinement tokens beyond calibration": (
+        "model: m\noutput: o\nsteps:\n  - convert: {refine_tokens: 2048}\ncalibration: {tokens: 1024}\n",
+        "refinement reads 2048 tokens (refine_tokens, --refine-tokens) but calibration has 1024"),
     "not yaml": ("model: m\noutput: [\n", "not valid YAML"),
     "not a mapping": ("- a\n- b\n", "a recipe is a YAML mapping"),
 }

@@ -53,8 +53,10 @@ from attnsurg.methods import MethodSpec, register
 
 # Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
 NORM_CONSTANT = 2.0**24
+DEFAULT_REFINE_TOKENS = 2048  # calibration tokens refinement reads unless told
 REFINE_STEP_TOKENS = 512  # tokens per refinement step: whole windows, at least one
 REFINE_STEP_QUERIES = 128  # query positions scored per step; every key and value of the windows is kept
+WINDOWS_PER_CHUNK = 8  # whole-window forwards over the refinement data run this many windows at a time
 SUPPORTED_ROPE = ("default", "llama3")
 
 
@@ -523,9 +525,14 @@ def refine_layer(
         error = sampled_output(attention, x[windows], rope, rows) - target[windows][:, rows]
         return (error * token_scale[windows][:, rows]).pow(2).mean() / energy
 
+    def error_everywhere(rows: torch.Tensor) -> float:
+        chunks = range(0, x.shape[0], WINDOWS_PER_CHUNK)
+        return sum(error_at(rows, slice(i, i + WINDOWS_PER_CHUNK)).item() * len(x[i : i + WINDOWS_PER_CHUNK])
+                   for i in chunks) / x.shape[0]
+
     checked = random_rows()  # the same rows of every window score the closed form and the refined layer
     with torch.no_grad():
-        before = error_at(checked).item()
+        before = error_everywhere(checked)
     optimizer = torch.optim.Adam(freeze_norm_channel(attention, config.kv_lora_rank - 1), lr=lr, fused=True)
     per_step = min(x.shape[0], max(1, REFINE_STEP_TOKENS // length))
     with torch.enable_grad():
@@ -535,10 +542,11 @@ def refine_layer(
             error_at(random_rows(), slice(first, first + per_step)).backward()
             optimizer.step()
     with torch.no_grad():
-        after = error_at(checked).item()
+        after = error_everywhere(checked)
         if after >= before:
             attention = mla_attention(config, index, w, o_weight)
-        output = sampled_output(attention, x, rope, torch.arange(length))
+        every_row = torch.arange(length)
+        output = torch.cat([sampled_output(attention, chunk, rope, every_row) for chunk in x.split(WINDOWS_PER_CHUNK)])
     if after >= before:
         return w, before, before, output
     if attention.q_b_proj is not None:
@@ -562,13 +570,14 @@ class SequentialRefiner:
     """Layer-wise refinement that carries the converted model's own residual stream forward (as GPTQ and
     BRECQ do), so each layer learns to undo the drift of the layers before it: layer l's attention sees
     norm(h'_l) and is fitted to h_l + a_l - h'_l, where h_l, a_l are the original model's residual stream and
-    attention output and h'_l is the converted model's residual stream."""
+    attention output and h'_l is the converted model's residual stream. Both streams advance layer by layer
+    from the embeddings, so memory holds two streams whatever the depth."""
 
-    def __init__(self, source: PreTrainedModel, family: Family, residuals: list[torch.Tensor], config: DeepseekV3Config):
+    def __init__(self, source: PreTrainedModel, family: Family, embeddings: torch.Tensor, config: DeepseekV3Config):
         self.source, self.family, self.config = source, family, config
-        self.residuals = residuals  # the original model's decoder-layer inputs on the refinement windows
-        self.stream = self.residuals[0].clone()
-        length = self.stream.shape[1]
+        self.original = embeddings  # [n, L, D]: the first decoder layer's input on the refinement windows
+        self.stream = embeddings.clone()
+        length = embeddings.shape[1]
         self.mask = causal_mask(length)
         self.positions = torch.arange(length)[None]
 
@@ -577,22 +586,25 @@ class SequentialRefiner:
         layer = self.source.get_submodule(f"{self.family.layers_path}.{index}")
         source_attn = getattr(layer, self.family.attention_attr)
         norm = getattr(layer, self.family.input_norm)
-        original = self.residuals[index]
-        source_rope = self.source.get_submodule(self.family.rotary_path)(original[:1], self.positions)
-        attended = source_attn(hidden_states=norm(original), position_embeddings=source_rope, attention_mask=self.mask)[0]
-        x = norm(self.stream)
-        target = original + attended - self.stream
-        token_scale = (original + attended).pow(2).mean(-1, keepdim=True).rsqrt()
-        w, before, after, output = refine_layer(w, self.config, index, source_attn.o_proj.weight, x, target, steps, lr,
-                                                token_scale)
-        self.advance(layer, output)
+        attended = self.source_attention(source_attn, norm(self.original))
+        target = self.original + attended - self.stream
+        token_scale = (self.original + attended).pow(2).mean(-1, keepdim=True).rsqrt()
+        w, before, after, output = refine_layer(w, self.config, index, source_attn.o_proj.weight, norm(self.stream),
+                                                target, steps, lr, token_scale)
+        self.original = self.finish_layer(layer, self.original + attended)
+        self.stream = self.finish_layer(layer, self.stream + output)
         return w, before, after
 
-    def advance(self, layer, attended: torch.Tensor) -> None:
-        """Finish the converted decoder layer from its attention output: the original MLP on the new stream."""
-        self.stream = self.stream + attended
+    def source_attention(self, attention, x: torch.Tensor) -> torch.Tensor:
+        """The original attention's output on every window, a few windows at a time."""
+        rope = self.source.get_submodule(self.family.rotary_path)(x[:1], self.positions)
+        return torch.cat([attention(hidden_states=chunk, position_embeddings=rope, attention_mask=self.mask)[0]
+                          for chunk in x.split(WINDOWS_PER_CHUNK)])
+
+    def finish_layer(self, layer, stream: torch.Tensor) -> torch.Tensor:
+        """The rest of a decoder layer after its attention's residual add: the MLP's residual add."""
         post_norm = getattr(layer, self.family.post_attention_norm)
-        self.stream = self.stream + getattr(layer, self.family.mlp)(post_norm(self.stream))
+        return stream + getattr(layer, self.family.mlp)(post_norm(stream))
 
 
 @torch.no_grad()
@@ -603,29 +615,33 @@ def convert(
     plan: MLAPlan,
     weighted: bool = True,
     refine_steps: int = 0,
-    refine_tokens: int = 2048,
+    refine_tokens: int = DEFAULT_REFINE_TOKENS,
     refine_lr: float = 1e-3,
     progress=None,
 ) -> MLAConversion:
     """Convert every layer from calibration windows (token ids): the closed form from the attention inputs'
     second moment over all windows, then optional sequential refinement on the first ``refine_tokens``."""
-    from attnsurg.calibrate import decoder_inputs, second_moment
+    from attnsurg.calibrate import InputStatistics, run_with_input_hooks
 
-    # One pass over the calibration windows: the decoder-layer inputs give both the attention inputs' second
-    # moments (after each layer's input norm) and the residual stream refinement starts from.
-    residuals = decoder_inputs(source, family, windows)
-    layers_of_source = source.get_submodule(family.layers_path)
-    sigmas = [second_moment(getattr(layer, family.input_norm)(h)) for layer, h in zip(layers_of_source, residuals)]
-    attentions = [getattr(layer, family.attention_attr) for layer in layers_of_source]
+    # One pass over the calibration windows: each attention's input second moment over all of them, and the
+    # first decoder layer's input (the embeddings) on the refinement windows, where refinement starts.
+    decoder_layers = list(source.get_submodule(family.layers_path))
+    attentions = [getattr(layer, family.attention_attr) for layer in decoder_layers]
+    statistics = [InputStatistics() for _ in attentions]
+    keep = max(1, refine_tokens // windows.shape[1]) if refine_steps else 0
+    embeddings: list[torch.Tensor] = []
+
+    def receive(index: int, x: torch.Tensor) -> None:
+        if index < len(attentions):
+            statistics[index].add(x)
+        elif len(embeddings) < keep:
+            embeddings.append(x.detach().float().cpu())
+
+    run_with_input_hooks(source, attentions + decoder_layers[:1], windows, receive)
     config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
     config._attn_implementation = "sdpa"  # the standalone refinement modules (sampled_output calls sdpa itself)
-    refiner = None
-    if refine_steps:
-        keep = max(1, refine_tokens // windows.shape[1])
-        for index, h in enumerate(residuals):  # only the refinement windows stay, one layer at a time
-            residuals[index] = h[:keep].clone()
-        refiner = SequentialRefiner(source, family, residuals, config)
-    del residuals
+    refiner = SequentialRefiner(source, family, torch.cat(embeddings), config) if refine_steps else None
+    sigmas = [s.sigma for s in statistics]
     layers, errors = [], []
     for index, (attn, sigma) in enumerate(zip(attentions, sigmas)):
         weights = fit_layer(attn, sigma, plan, weighted)

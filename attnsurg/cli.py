@@ -309,7 +309,10 @@ def convert(
     refine_tokens: Annotated[
         Optional[int], typer.Option("--refine-tokens", help="Calibration tokens used for refinement [default: the first 2048].")
     ] = None,
-    refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate.")] = 1e-3,
+    refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate (the peak, with cosine).")] = 1e-3,
+    refine_schedule: Annotated[
+        str, typer.Option("--refine-schedule", help="constant, or cosine (decays to a tenth; pays on long refinements).")
+    ] = "constant",
     eval_tokens: EvalTokens = 2048,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
@@ -337,6 +340,7 @@ def convert(
         refine_steps=refine_steps,
         refine_tokens=refine_tokens,
         refine_lr=refine_lr,
+        refine_schedule=refine_schedule,
         calibration=calibration_from(calib_dataset, calib_text, calib_tokens),
         eval_tokens=eval_tokens,
         overwrite=overwrite,

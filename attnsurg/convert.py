@@ -10,7 +10,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.info import inspect_model
 from attnsurg.heal import HealReport
 from attnsurg.io.card import CardInfo
-from attnsurg.methods.mla import DEFAULT_REFINE_TOKENS, REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, MLAPlan, convert, plan_mla
+from attnsurg.methods.mla import REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, MLAPlan, Refinement, convert, plan_mla
 from attnsurg.pipeline import base_model_id, command_line, finish_surgery, healing_note, start_surgery
 from attnsurg.recipe import ConvertMLA, Recipe
 
@@ -63,8 +63,16 @@ def plan_request(request: ConvertMLA):
     return source, anatomy, plan
 
 
-def refine_tokens_of(request: ConvertMLA) -> int:
-    return DEFAULT_REFINE_TOKENS if request.refine_tokens is None else request.refine_tokens
+def refinement_of(request: ConvertMLA) -> Refinement:
+    tokens = Refinement.tokens if request.refine_tokens is None else request.refine_tokens
+    return Refinement(request.refine_steps, tokens, request.refine_lr, request.refine_schedule)
+
+
+def refinement_note(refinement: Refinement, calibration_tokens: int) -> str:
+    return (f"then {refinement.steps} Adam steps per layer ({refinement.schedule} learning rate from {refinement.lr:g}), "
+            f"each scoring {REFINE_STEP_QUERIES} query positions of the next {REFINE_STEP_TOKENS} of the first "
+            f"{min(refinement.tokens, calibration_tokens)} tokens against the original layer's output, relative to the "
+            "original stream's size at each token")
 
 
 def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | None = None) -> ConvertReport:
@@ -77,8 +85,8 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     started = time.perf_counter()
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
         result = convert(
-            surgery.model, surgery.family, surgery.windows, plan, request.weighted,
-            request.refine_steps, refine_tokens_of(request), request.refine_lr, progress=advance,
+            surgery.model, surgery.family, surgery.windows, plan, request.weighted, refinement_of(request),
+            progress=advance,
         )
     report.convert_seconds = time.perf_counter() - started
     report.plan, report.layer_errors = result.plan, result.layer_errors
@@ -123,10 +131,7 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"RoPE components kept per frequency, highest first: {list(plan.counts)})",
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}",
             f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "
-            + (f"then {request.refine_steps} Adam steps per layer, each scoring {REFINE_STEP_QUERIES} query positions "
-               f"of the next {REFINE_STEP_TOKENS} of the first {min(refine_tokens_of(request), calib.tokens)} tokens against "
-               "the original layer's output, relative to the original stream's size at each token" if request.refine_steps
-               else "no refinement")
+            + (refinement_note(refinement_of(request), calib.tokens) if request.refine_steps else "no refinement")
             + "; " + healing_note(report),
         ],
         figures=figures,

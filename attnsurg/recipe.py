@@ -119,6 +119,7 @@ class MLASettings(Strict):
     refine_steps: int = Field(40, ge=0)
     refine_tokens: int | None = Field(None, gt=0)  # None: the first 2048 calibration tokens, or all when fewer
     refine_lr: float = Field(1e-3, gt=0)
+    refine_schedule: Literal["constant", "cosine"] = "constant"
 
 
 class LowRankSettings(Strict):

@@ -23,7 +23,7 @@ from attnsurg.calibrate import calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.heal import heal_model
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
-from attnsurg.methods.mla import convert, plan_mla
+from attnsurg.methods.mla import Refinement, convert, plan_mla
 from attnsurg.recipe import HealSettings, TextData
 
 
@@ -52,7 +52,8 @@ def main() -> None:
         student = load_model(resolve_source(args.student))
     else:
         windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), 4096, 512)
-        student = convert(teacher, family_for_surgery(anatomy.model_type), windows, plan_mla(anatomy, kv_budget=args.budget)).model
+        student = convert(teacher, family_for_surgery(anatomy.model_type), windows, plan_mla(anatomy, kv_budget=args.budget),
+                          refinement=Refinement()).model
     before = perplexity_of(student, tokens, plan)
     settings = HealSettings(tokens=args.tokens, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
                             hidden_weight=args.hidden_weight, lm_weight=args.lm_weight, train=args.train,

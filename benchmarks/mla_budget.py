@@ -2,6 +2,7 @@
 
     python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--unweighted]
                                     [--refine-steps 40] [--refine-tokens 2048] [--refine-queries 128]
+                                    [--refine-lr 1e-3] [--refine-schedule constant]
                                     [--rope-layout standard]
 
 Calibrates on the calibration half of wiki-sample, evaluates on the first WINDOWS x 1024 tokens of its
@@ -28,7 +29,7 @@ from attnsurg.calibrate import calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla as mla_method
-from attnsurg.methods.mla import convert, plan_mla
+from attnsurg.methods.mla import Refinement, convert, plan_mla
 from attnsurg.recipe import TextData
 
 
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--rope-layout", default="standard", choices=["standard", "flexible"])
     parser.add_argument("--refine-tokens", type=int, default=2048)
     parser.add_argument("--refine-lr", type=float, default=1e-3)
+    parser.add_argument("--refine-schedule", default="constant", choices=list(mla_method.SCHEDULES))
     parser.add_argument("--refine-queries", type=int, default=mla_method.REFINE_STEP_QUERIES,
                         help="query positions scored per refinement step")
     parser.add_argument("--context", type=int, default=4096)
@@ -73,7 +75,8 @@ def main() -> None:
         start = time.perf_counter()
         windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
         result = convert(model, family, windows, plan_mla(anatomy, kv_budget=budget, layout=args.rope_layout),
-                         not args.unweighted, args.refine_steps, args.refine_tokens, args.refine_lr)
+                         not args.unweighted, Refinement(args.refine_steps, args.refine_tokens, args.refine_lr,
+                                                         args.refine_schedule))
         mla, plan = result.model, result.plan
         seconds = time.perf_counter() - start
         ppl = perplexity_of(mla, tokens, eval_plan)

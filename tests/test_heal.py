@@ -21,7 +21,7 @@ LLAMA = family_for_surgery("llama")
 def mla_student(teacher, budget: float = 0.25):
     plan = plan_mla(inspect_config(teacher.config), kv_budget=budget)
     windows = torch.randint(0, teacher.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    return convert(teacher, LLAMA, windows, plan, refine_steps=0).model
+    return convert(teacher, LLAMA, windows, plan).model
 
 
 def settings(corpus_file, **overrides) -> HealSettings:

@@ -10,7 +10,9 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
-from attnsurg.methods.mla import causal_mask, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output
+from attnsurg.methods.mla import (
+    Refinement, causal_mask, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
+)
 from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
 
 from conftest import build_tiny
@@ -20,7 +22,7 @@ LLAMA = family_for_surgery("llama")
 
 def converted_error(model, plan, ids, weighted=True, refine_steps=0) -> float:
     windows = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
-    mla = convert(model, LLAMA, windows, plan, weighted, refine_steps).model
+    mla = convert(model, LLAMA, windows, plan, weighted, Refinement(steps=refine_steps)).model
     with torch.no_grad():
         return (mla(ids).logits - model(ids).logits).abs().max().item()
 
@@ -44,7 +46,7 @@ def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
         reference = model(held_out).logits
 
     def relative_logit_error(steps: int) -> tuple[float, list]:
-        result = convert(model, LLAMA, windows, plan, refine_steps=steps, refine_tokens=512, refine_lr=3e-3)
+        result = convert(model, LLAMA, windows, plan, refinement=Refinement(steps, 512, 3e-3))
         mla, errors = result.model, result.layer_errors
         with torch.no_grad():
             return ((mla(held_out).logits - reference).pow(2).mean() / reference.pow(2).mean()).item(), errors
@@ -69,7 +71,7 @@ def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(
         hidden = model(ids, output_hidden_states=True).hidden_states
     asked = []
 
-    def perfect_fit(w, config, index, o_weight, x, target, steps, lr, token_scale):
+    def perfect_fit(w, config, index, o_weight, x, target, settings, token_scale):
         asked.append((target, token_scale))
         return w, 1.0, 0.0, target
 
@@ -78,7 +80,7 @@ def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(
     attention = model.model.layers[0].self_attn
     for index in range(model.config.num_hidden_layers):
         stream = refiner.stream.clone()
-        refiner.refine(index, fit_layer(attention, torch.eye(model.config.hidden_size + 1, dtype=torch.float64), plan), 1, 1e-3)
+        refiner.refine(index, fit_layer(attention, torch.eye(model.config.hidden_size + 1, dtype=torch.float64), plan), Refinement(1))
         target, token_scale = asked[-1]
         torch.testing.assert_close(token_scale, (stream + target).pow(2).mean(-1, keepdim=True).rsqrt())
         expected = model.model.norm(refiner.original) if index == model.config.num_hidden_layers - 1 else refiner.original
@@ -128,10 +130,10 @@ def test_per_token_scale_keeps_one_huge_unreachable_target_from_ruling_the_refin
     start = fit_layer(attn, second_moment(x), plan)
 
     def rest_error(target: torch.Tensor, token_scale=None) -> float:
-        output = refine_layer(start, config, 0, attn.o_proj.weight, x, target, 30, 3e-3, token_scale)[3]
+        output = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=3e-3), token_scale)[3]
         return ((output - clean)[:, 1:].pow(2).mean() / clean[:, 1:].pow(2).mean()).item()
 
-    closed_form = refine_layer(start, config, 0, attn.o_proj.weight, x, clean, 0, 3e-3)[3]
+    closed_form = refine_layer(start, config, 0, attn.o_proj.weight, x, clean, Refinement(0))[3]
     closed_form_error = ((closed_form - clean)[:, 1:].pow(2).mean() / clean[:, 1:].pow(2).mean()).item()
     without_sink = rest_error(clean)
     scaled = rest_error(sink, sink.pow(2).mean(-1, keepdim=True).rsqrt())
@@ -195,7 +197,7 @@ def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
     source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
     plan = plan_mla(inspect_config(source.config), kv_budget=0.5)
     windows = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
-    mla = convert(source, LLAMA, windows, plan, refine_steps=5).model
+    mla = convert(source, LLAMA, windows, plan, refinement=Refinement(5)).model
     mla.save_pretrained(tmp_path / "m")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     ids = torch.arange(30)[None]
@@ -260,3 +262,15 @@ def test_output_keeps_the_source_dtype(tiny_checkpoints, corpus_file, tmp_path):
     run_convert(request)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
     assert reloaded.dtype == torch.bfloat16
+
+
+def test_cosine_refinement_schedule_decays_to_its_floor_and_constant_stays():
+    from attnsurg.methods.mla import COSINE_FLOOR, learning_rate_schedule
+
+    for schedule, last in (("cosine", COSINE_FLOOR * 1e-3), ("constant", 1e-3)):
+        optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        rates = learning_rate_schedule(optimizer, Refinement(10, lr=1e-3, schedule=schedule))
+        for _ in range(10):
+            optimizer.step()
+            rates.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(last)

@@ -53,10 +53,11 @@ from attnsurg.methods import MethodSpec, register
 
 # Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
 NORM_CONSTANT = 2.0**24
-DEFAULT_REFINE_TOKENS = 2048  # calibration tokens refinement reads unless told
 REFINE_STEP_TOKENS = 512  # tokens per refinement step: whole windows, at least one
 REFINE_STEP_QUERIES = 128  # query positions scored per step; every key and value of the windows is kept
 WINDOWS_PER_CHUNK = 8  # whole-window forwards over the refinement data run this many windows at a time
+SCHEDULES = ("constant", "cosine")
+COSINE_FLOOR = 0.1  # the cosine schedule decays the learning rate to this fraction of its peak
 SUPPORTED_ROPE = ("default", "llama3")
 
 
@@ -425,6 +426,18 @@ class MLAConversion:
 
 
 # ---------------------------------------------------------------------------------- refinement
+@dataclass(frozen=True)
+class Refinement:
+    """Layer-wise refinement settings: Adam steps per layer, calibration tokens read, peak learning rate and
+    its schedule. Measured on the demo model at 25% KV: a constant rate suits short runs (40 steps over 2048
+    tokens: x2.86, cosine x2.99); long runs need the decay (320 steps over 32768 tokens: x2.05, cosine x1.86)."""
+
+    steps: int = 40
+    tokens: int = 2048
+    lr: float = 1e-3
+    schedule: str = "constant"
+
+
 def causal_mask(length: int) -> torch.Tensor:
     """Additive [1, 1, L, L] causal mask, explicit so every attention implementation honours it."""
     blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
@@ -498,7 +511,7 @@ def sampled_output(attention: DeepseekV3Attention, x: torch.Tensor, rope: tuple[
 
 def refine_layer(
     w: MLAWeights, config: DeepseekV3Config, index: int, o_weight: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
-    steps: int, lr: float, token_scale: torch.Tensor | None = None,
+    settings: Refinement, token_scale: torch.Tensor | None = None,
 ) -> tuple[MLAWeights, float, float, torch.Tensor]:
     """Adam on the converted layer so its output on the windows ``x`` matches ``target``; returns the better
     weights, the relative error before and after (on REFINE_STEP_QUERIES fixed query rows of every window),
@@ -533,14 +546,16 @@ def refine_layer(
     checked = random_rows()  # the same rows of every window score the closed form and the refined layer
     with torch.no_grad():
         before = error_everywhere(checked)
-    optimizer = torch.optim.Adam(freeze_norm_channel(attention, config.kv_lora_rank - 1), lr=lr, fused=True)
+    optimizer = torch.optim.Adam(freeze_norm_channel(attention, config.kv_lora_rank - 1), lr=settings.lr, fused=True)
+    schedule = learning_rate_schedule(optimizer, settings)
     per_step = min(x.shape[0], max(1, REFINE_STEP_TOKENS // length))
     with torch.enable_grad():
-        for step in range(steps):
+        for step in range(settings.steps):
             first = (step * per_step) % x.shape[0]
             optimizer.zero_grad()
             error_at(random_rows(), slice(first, first + per_step)).backward()
             optimizer.step()
+            schedule.step()
     with torch.no_grad():
         after = error_everywhere(checked)
         if after >= before:
@@ -566,6 +581,14 @@ def refine_layer(
     return refined, before, after, output
 
 
+def learning_rate_schedule(optimizer: torch.optim.Optimizer, settings: Refinement) -> torch.optim.lr_scheduler.LRScheduler:
+    """Constant, or a cosine decay from the peak to COSINE_FLOOR times the peak over the steps."""
+    if settings.schedule == "cosine":
+        floor = settings.lr * COSINE_FLOOR
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, settings.steps), eta_min=floor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
 class SequentialRefiner:
     """Layer-wise refinement that carries the converted model's own residual stream forward (as GPTQ and
     BRECQ do), so each layer learns to undo the drift of the layers before it: layer l's attention sees
@@ -582,7 +605,7 @@ class SequentialRefiner:
         self.positions = torch.arange(length)[None]
 
     @torch.no_grad()
-    def refine(self, index: int, w: MLAWeights, steps: int, lr: float) -> tuple[MLAWeights, float, float]:
+    def refine(self, index: int, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, float, float]:
         layer = self.source.get_submodule(f"{self.family.layers_path}.{index}")
         source_attn = getattr(layer, self.family.attention_attr)
         norm = getattr(layer, self.family.input_norm)
@@ -590,7 +613,7 @@ class SequentialRefiner:
         target = self.original + attended - self.stream
         token_scale = (self.original + attended).pow(2).mean(-1, keepdim=True).rsqrt()
         w, before, after, output = refine_layer(w, self.config, index, source_attn.o_proj.weight, norm(self.stream),
-                                                target, steps, lr, token_scale)
+                                                target, settings, token_scale)
         self.original = self.finish_layer(layer, self.original + attended)
         self.stream = self.finish_layer(layer, self.stream + output)
         return w, before, after
@@ -614,13 +637,12 @@ def convert(
     windows: torch.Tensor,
     plan: MLAPlan,
     weighted: bool = True,
-    refine_steps: int = 0,
-    refine_tokens: int = DEFAULT_REFINE_TOKENS,
-    refine_lr: float = 1e-3,
+    refinement: Refinement | None = None,
     progress=None,
 ) -> MLAConversion:
     """Convert every layer from calibration windows (token ids): the closed form from the attention inputs'
-    second moment over all windows, then optional sequential refinement on the first ``refine_tokens``."""
+    second moment over all windows, then, given ``refinement`` with steps, sequential refinement on the first
+    ``refinement.tokens`` of them."""
     from attnsurg.calibrate import InputStatistics, run_with_input_hooks
 
     # One pass over the calibration windows: each attention's input second moment over all of them, and the
@@ -628,7 +650,8 @@ def convert(
     decoder_layers = list(source.get_submodule(family.layers_path))
     attentions = [getattr(layer, family.attention_attr) for layer in decoder_layers]
     statistics = [InputStatistics() for _ in attentions]
-    keep = max(1, refine_tokens // windows.shape[1]) if refine_steps else 0
+    refinement = refinement if refinement and refinement.steps else None
+    keep = max(1, refinement.tokens // windows.shape[1]) if refinement else 0
     embeddings: list[torch.Tensor] = []
 
     def receive(index: int, x: torch.Tensor) -> None:
@@ -640,13 +663,13 @@ def convert(
     run_with_input_hooks(source, attentions + decoder_layers[:1], windows, receive)
     config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
     config._attn_implementation = "sdpa"  # the standalone refinement modules (sampled_output calls sdpa itself)
-    refiner = SequentialRefiner(source, family, torch.cat(embeddings), config) if refine_steps else None
+    refiner = SequentialRefiner(source, family, torch.cat(embeddings), config) if refinement else None
     sigmas = [s.sigma for s in statistics]
     layers, errors = [], []
     for index, (attn, sigma) in enumerate(zip(attentions, sigmas)):
         weights = fit_layer(attn, sigma, plan, weighted)
         if refiner:
-            weights, before, after = refiner.refine(index, weights, refine_steps, refine_lr)
+            weights, before, after = refiner.refine(index, weights, refinement)
             errors.append((before, after))
         layers.append(weights)
         if progress:

@@ -91,10 +91,11 @@ def main() -> None:
         layout = f"{r['rope_dim']} + {r['kv_rank']} + 1" if "rope_dim" in r else "original"
         print(f"| {r['budget']} | {r['values']} | {layout} | {r['ppl']:.3f} | {r['ratio']:.3f} | {r['convert_s']:.1f} | {r['cache_bytes']:,} |")
     print(f"\npeak memory of this process: {peak:.2f} GB; weighted latent: {not args.unweighted}; "
-          f"refinement: {args.refine_steps} steps on {args.refine_tokens} tokens, {args.refine_queries} queries a step; RoPE layout: {args.rope_layout}")
+          f"refinement: {args.refine_steps} steps on {args.refine_tokens} tokens, {args.refine_queries} queries a step, "
+          f"lr {args.refine_lr:g} {args.refine_schedule}; RoPE layout: {args.rope_layout}")
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
-    (results / "mla_budget.json").write_text(json.dumps({"rows": rows, "peak_memory_gb": peak}, indent=2))
+    (results / "mla_budget.json").write_text(json.dumps({"settings": vars(args), "rows": rows, "peak_memory_gb": peak}, indent=2))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
    sequentially as in GPTQ). Each token's error is measured relative to the norm of the original stream at
    that token: the next layer reads the stream through an RMSNorm, and without it the first token of every
    window (an attention sink whose residual grows ~10^4 times the others' from the middle layers on) holds
-   over 90% of the squared error. The norm channels stay frozen.
+   over 90% of the squared error. The norm channels stay frozen. The learning rate is constant, or decays on
+   a cosine, which long refinements need.
 """
 
 from __future__ import annotations
@@ -586,7 +587,9 @@ def learning_rate_schedule(optimizer: torch.optim.Optimizer, settings: Refinemen
     if settings.schedule == "cosine":
         floor = settings.lr * COSINE_FLOOR
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, settings.steps), eta_min=floor)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    if settings.schedule == "constant":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    raise ValueError(f"unknown refinement schedule '{settings.schedule}'; choose {' or '.join(SCHEDULES)}")
 
 
 class SequentialRefiner:

@@ -646,28 +646,20 @@ def convert(
     """Convert every layer from calibration windows (token ids): the closed form from the attention inputs'
     second moment over all windows, then, given ``refinement`` with steps, sequential refinement on the first
     ``refinement.tokens`` of them."""
-    from attnsurg.calibrate import InputStatistics, run_with_input_hooks
+    from attnsurg.calibrate import input_statistics
 
-    # One pass over the calibration windows: each attention's input second moment over all of them, and the
-    # first decoder layer's input (the embeddings) on the refinement windows, where refinement starts.
-    decoder_layers = list(source.get_submodule(family.layers_path))
-    attentions = [getattr(layer, family.attention_attr) for layer in decoder_layers]
-    statistics = [InputStatistics() for _ in attentions]
+    # One hooked pass streams each attention input's second moment over all windows; refinement starts from the
+    # token embeddings of its windows (the first decoder layer's input in the Llama family).
+    attentions = [getattr(layer, family.attention_attr) for layer in source.get_submodule(family.layers_path)]
+    sigmas = [s.sigma for s in input_statistics(source, attentions, windows)]
     refinement = refinement if refinement and refinement.steps else None
-    keep = max(1, refinement.tokens // windows.shape[1]) if refinement else 0
-    embeddings: list[torch.Tensor] = []
-
-    def receive(index: int, x: torch.Tensor) -> None:
-        if index < len(attentions):
-            statistics[index].add(x)
-        elif len(embeddings) < keep:
-            embeddings.append(x.detach().float().cpu())
-
-    run_with_input_hooks(source, attentions + decoder_layers[:1], windows, receive)
     config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
     config._attn_implementation = "sdpa"  # the standalone refinement modules (sampled_output calls sdpa itself)
-    refiner = SequentialRefiner(source, family, torch.cat(embeddings), config) if refinement else None
-    sigmas = [s.sigma for s in statistics]
+    refiner = None
+    if refinement:
+        keep = max(1, refinement.tokens // windows.shape[1])
+        embeddings = source.get_input_embeddings()(windows[:keep].to(source.device)).float().cpu()
+        refiner = SequentialRefiner(source, family, embeddings, config)
     layers, errors = [], []
     for index, (attn, sigma) in enumerate(zip(attentions, sigmas)):
         weights = fit_layer(attn, sigma, plan, weighted)

@@ -1,9 +1,8 @@
 """Healing: distil the original model (teacher) into the operated one (student) with accelerate.
 
-The loss per token is ``kl_weight * T^2 KL(p_teacher^T || p_student^T) + lm_weight * CE(student, next token)``
-(Hinton et al. 2015, eq. 1-2, with temperature T), plus optionally ``hidden_weight`` times the mean over layers
-of the relative error of the student's residual stream against the teacher's (intermediate-layer
-distillation, as in TinyBERT, Jiao et al. 2020, eq. 7). By default only the attention modules train, less the
+The loss (``distillation.py``) is KL to the teacher's distribution, optionally with the next-token loss and a
+residual-stream match, computed from both models' final hidden states a chunk of tokens at a time, so no
+``[batch, seq, vocab]`` logits are ever formed. By default only the attention modules train, less the
 values a conversion holds fixed for exactness (the MLA latent-norm channel and query route, Loki's PCA
 basis). The same code runs on the CPU, on one GPU in bf16 and under ``accelerate launch`` on several.
 
@@ -26,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from transformers import PreTrainedModel
 
 from attnsurg import ui
 from attnsurg.data import load_text
+from attnsurg.distillation import Head, LossWeights, logit_loss, residual_stream_error
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of
 from attnsurg.methods.mla import hold_norm_channel, norm_channel_of
@@ -122,27 +121,39 @@ def batch_indices(n: int, position: int, size: int, seed: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------- loss
-def distillation_loss(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor, settings: HealSettings,
-    student_hidden: tuple[torch.Tensor, ...] = (), teacher_hidden: tuple[torch.Tensor, ...] = (),
-) -> torch.Tensor:
-    """Mean over tokens of the weighted KL, next-token cross-entropy and relative residual-stream error
-    (computed in float32)."""
-    loss = student_logits.new_zeros((), dtype=torch.float32)
-    if settings.hidden_weight and student_hidden:
-        errors = [(s.float() - t.float()).pow(2).sum() / t.float().pow(2).sum()
-                  for s, t in zip(student_hidden[1:], teacher_hidden[1:])]
-        loss = loss + settings.hidden_weight * torch.stack(errors).mean()
-    if settings.kl_weight:
-        t = settings.temperature
-        student = F.log_softmax(student_logits.float().flatten(0, 1) / t, dim=-1)
-        teacher = F.log_softmax(teacher_logits.float().flatten(0, 1) / t, dim=-1)
-        kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-        loss = loss + settings.kl_weight * t * t * kl
-    if settings.lm_weight:
-        logits = student_logits[:, :-1].float().flatten(0, 1)
-        loss = loss + settings.lm_weight * F.cross_entropy(logits, input_ids[:, 1:].flatten())
-    return loss
+class Distiller:
+    """Both models' forward passes and the loss between them.
+
+    The student runs through its (possibly distributed) wrapper with logits for one position only; a hook
+    keeps its decoder's final hidden state, to which the loss applies the output head a chunk at a time.
+    The teacher runs its decoder alone, without gradients."""
+
+    def __init__(self, wrapped: torch.nn.Module, student: PreTrainedModel, teacher: PreTrainedModel, settings: HealSettings):
+        self.wrapped, self.teacher = wrapped, teacher
+        self.weights = LossWeights(settings.kl_weight, settings.lm_weight, settings.hidden_weight, settings.temperature)
+        self.student_head = Head.of(student.get_output_embeddings())
+        self.teacher_head = Head.of(teacher.get_output_embeddings())
+        self.final_hidden: torch.Tensor | None = None
+        self.hook = student.get_decoder().register_forward_hook(self.keep_final_hidden)
+
+    def keep_final_hidden(self, module, args, output) -> None:
+        self.final_hidden = output.last_hidden_state
+
+    def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        layers = self.weights.hidden > 0
+        with torch.no_grad():
+            taught = self.teacher.get_decoder()(input_ids=input_ids, output_hidden_states=layers)
+        learned = self.wrapped(input_ids=input_ids, output_hidden_states=layers, logits_to_keep=1)
+        final, self.final_hidden = self.final_hidden, None
+        loss = final.new_zeros((), dtype=torch.float32)
+        if self.weights.kl or self.weights.lm:
+            loss = logit_loss(final, self.student_head, taught.last_hidden_state, self.teacher_head, input_ids, self.weights)
+        if layers:
+            loss = loss + self.weights.hidden * residual_stream_error(learned.hidden_states, taught.hidden_states)
+        return loss
+
+    def close(self) -> None:
+        self.hook.remove()
 
 
 # ------------------------------------------------------------------------------ learning rate
@@ -258,22 +269,23 @@ def heal_model(
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = min(math.ceil(settings.warmup * steps), steps - 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(i, steps, warmup, settings.schedule))
-    student, optimizer = accelerator.prepare(student, optimizer)
+    wrapped, optimizer = accelerator.prepare(student, optimizer)
     teacher.to(accelerator.device).eval().requires_grad_(False)
+    distiller = Distiller(wrapped, student, teacher, settings)
     report.resumed_from = start = resume_step(accelerator, state_dir, run_id, scheduler)
 
     started = time.perf_counter()
-    student.train()
+    wrapped.train()
     bar = ui.progress_bar("Healing", total=steps, unit="steps") if accelerator.is_main_process else nullcontext(lambda *a, **k: None)
     with bar as advance:
         advance(start)
         for step in range(start, steps):
-            loss = train_step(accelerator, student, teacher, optimizer, scheduler, windows, settings, seed, step, trainable)
+            loss = train_step(accelerator, distiller, optimizer, scheduler, windows, settings, seed, step, trainable)
             report.losses.append((step + 1, loss))
             rate = (step + 1 - start) * tokens_per_step / (time.perf_counter() - started)
             advance(1, note=f"loss {loss:.4f}, {rate:,.0f} tok/s")
             if held_out is not None and (step + 1) % settings.eval_every == 0:
-                report.evals.append((step + 1, evaluate(accelerator, student, held_out)))
+                report.evals.append((step + 1, evaluate(accelerator, wrapped, held_out)))
                 info(accelerator, f"step {step + 1}/{steps}: loss {loss:.4f}, held-out ppl {report.evals[-1][1]:.3f}")
             if (step + 1) % settings.save_every == 0 or step + 1 == steps:
                 save_step(accelerator, state_dir, step + 1, run_id, scheduler)
@@ -281,13 +293,14 @@ def heal_model(
                 on_step(step + 1)
     report.seconds = time.perf_counter() - started
     accelerator.wait_for_everyone()
-    student = accelerator.unwrap_model(student, keep_fp32_wrapper=False).eval()
+    distiller.close()
+    student = accelerator.unwrap_model(wrapped, keep_fp32_wrapper=False).eval()
     student.requires_grad_(False)
     accelerator.free_memory()
     return report
 
 
-def train_step(accelerator, student, teacher, optimizer, scheduler, windows, settings, seed, step, trainable) -> float:
+def train_step(accelerator, distiller: Distiller, optimizer, scheduler, windows, settings, seed, step, trainable) -> float:
     """One optimizer step over ``grad_accum`` micro-batches; returns the step's mean loss."""
     total = torch.zeros((), device=accelerator.device)
     for micro in range(settings.grad_accum):
@@ -295,16 +308,9 @@ def train_step(accelerator, student, teacher, optimizer, scheduler, windows, set
         rows = batch_indices(len(windows), position * settings.batch_size, settings.batch_size, seed)
         input_ids = windows[rows].to(accelerator.device)
         with accelerator.autocast():
-            hidden = settings.hidden_weight > 0
-            with torch.no_grad():
-                taught = teacher(input_ids=input_ids, output_hidden_states=hidden)
-            learned = student(input_ids=input_ids, output_hidden_states=hidden)
-            loss = distillation_loss(
-                learned.logits, taught.logits, input_ids, settings,
-                learned.hidden_states or (), taught.hidden_states or (),
-            ) / settings.grad_accum
+            loss = distiller.loss(input_ids) / settings.grad_accum
         last = micro == settings.grad_accum - 1
-        with nullcontext() if last else accelerator.no_sync(student):
+        with nullcontext() if last else accelerator.no_sync(distiller.wrapped):
             accelerator.backward(loss)
         total += loss.detach()
     accelerator.clip_grad_norm_(trainable, settings.max_grad_norm)

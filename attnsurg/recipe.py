@@ -87,12 +87,28 @@ class InfoRequest(Strict):
     model: ModelRef
 
 
+def calibration_part(data, purpose: str):
+    """``data`` read for calibration or training: its part is the calibration part, written or not."""
+    if isinstance(data, dict):
+        if data.get("part", "calib") != "calib":
+            raise ValueError(f"{purpose} reads a dataset's calibration part (part: calib); the eval part is for scoring")
+        return {**data, "part": "calib"}
+    if isinstance(data, TextData) and data.part != "calib":
+        raise ValueError(f"{purpose} reads a dataset's calibration part (part: calib); the eval part is for scoring")
+    return data
+
+
 class Calibration(Strict):
     """Calibration text (always its calibration part) and how much of it to use."""
 
     data: TextData = TextData(dataset="wiki-sample", part="calib")
     tokens: int = Field(4096, gt=0)
     seq_len: int = Field(512, gt=1)
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _calibration_part(cls, data):
+        return calibration_part(data, "calibration")
 
 
 class SurgeryContext(Strict):
@@ -210,12 +226,10 @@ class HealSettings(Strict):
             raise ValueError("kl_weight, lm_weight and hidden_weight are all 0: nothing to train on")
         return self
 
-    @field_validator("data")
+    @field_validator("data", mode="before")
     @classmethod
-    def _calibration_part(cls, data: TextData) -> TextData:
-        if data.dataset and data.part != "calib":
-            raise ValueError("healing trains on a dataset's calibration part (part: calib); the eval part is for scoring")
-        return data
+    def _calibration_part(cls, data):
+        return calibration_part(data, "healing")
 
 
 # ------------------------------------------------------------------------------- requests (one command)

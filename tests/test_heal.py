@@ -3,13 +3,14 @@ stays fixed, and the command writes a checkpoint (or one clear line for bad inpu
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
-from attnsurg.heal import batch_indices, distillation_loss, heal_model, lr_factor, select_trainable
+from attnsurg.heal import Distiller, batch_indices, heal_model, lr_factor, select_trainable
 from attnsurg.methods.mla import convert, norm_channel_of, plan_mla
 from attnsurg.recipe import HealSettings, TextData
 
@@ -31,8 +32,11 @@ def settings(corpus_file, **overrides) -> HealSettings:
 
 
 def loss_on(student, teacher, ids, heal: HealSettings) -> float:
+    distiller = Distiller(student, student, teacher, heal)
     with torch.no_grad():
-        return distillation_loss(student(ids).logits, teacher(ids).logits, ids, heal).item()
+        loss = distiller.loss(ids).item()
+    distiller.close()
+    return loss
 
 
 @pytest.fixture
@@ -148,10 +152,40 @@ def test_batches_are_a_function_of_seed_and_position():
     assert batch_indices(10, 0, 10, seed=2) != first
 
 
-def test_loss_is_zero_for_the_teacher_itself():
-    logits = torch.randn(2, 5, 11)
-    heal = HealSettings()
-    assert distillation_loss(logits, logits, torch.zeros(2, 5, dtype=torch.long), heal).abs() < 1e-6
+def test_loss_is_zero_for_the_teacher_itself(teacher_and_tokenizer):
+    teacher, _ = teacher_and_tokenizer
+    ids = torch.randint(0, teacher.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert loss_on(teacher, teacher, ids, HealSettings(lm_weight=0.0)) < 1e-6
+
+
+def test_distiller_loss_and_gradients_equal_the_plain_loss_on_whole_logits(teacher_and_tokenizer):
+    """The hooked final hidden state, one-position logits and chunked head give what the textbook loss on
+    the models' own logits gives (KL + next-token loss + residual-stream match)."""
+    teacher, _ = teacher_and_tokenizer
+    student = mla_student(teacher)
+    ids = torch.randint(0, teacher.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    heal = HealSettings(kl_weight=1.0, lm_weight=0.5, hidden_weight=0.25, temperature=2.0)
+    select_trainable(student, "all")
+
+    distiller = Distiller(student, student, teacher, heal)
+    chunked = distiller.loss(ids)
+    distiller.close()
+    got = torch.autograd.grad(chunked, [p for p in student.parameters() if p.requires_grad])
+
+    learned = student(ids, output_hidden_states=True)
+    with torch.no_grad():
+        taught = teacher(ids, output_hidden_states=True)
+    s = F.log_softmax(learned.logits.flatten(0, 1) / 2.0, dim=-1)
+    t = F.log_softmax(taught.logits.flatten(0, 1) / 2.0, dim=-1)
+    plain = 4.0 * F.kl_div(s, t, log_target=True, reduction="batchmean")
+    plain = plain + 0.5 * F.cross_entropy(learned.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    layers = [(a - b).pow(2).sum() / b.pow(2).sum() for a, b in zip(learned.hidden_states[1:], taught.hidden_states[1:])]
+    plain = plain + 0.25 * torch.stack(layers).mean()
+    want = torch.autograd.grad(plain, [p for p in student.parameters() if p.requires_grad])
+
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
 def test_cli_heals_a_checkpoint(tiny_checkpoints, corpus_file, tmp_path):

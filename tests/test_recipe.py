@@ -36,6 +36,13 @@ def test_short_and_long_model_forms_are_the_same_recipe():
     assert short == long and yaml.safe_load(dump_recipe(short))["model"] == "m"
 
 
+def test_calibration_and_training_text_is_the_calibration_part_when_unwritten():
+    recipe = parse_recipe("model: m\noutput: o\nsteps:\n  - convert: {}\n  - heal: {data: {dataset: wiki-sample}}\n"
+                          "calibration: {data: {dataset: wiki-sample}}\n")
+    assert recipe.calibration.data.part == "calib" and recipe.steps[1].heal.data.part == "calib"
+    assert "part: eval" not in dump_recipe(recipe)
+
+
 BAD = {
     "unknown key": ("model: m\noutput: o\nsteps:\n  - compress:\n      method: tucker\n      ratoi: 0.5\n",
                     "<recipe>:6: steps[0].compress.ratoi: unknown key"),
@@ -51,7 +58,9 @@ BAD = {
     "teacher after surgery": ("model: m\noutput: o\nsteps:\n  - convert: {}\n  - heal: {teacher: t}\n",
                               "the source model is the teacher"),
     "heal on eval text": ("model: m\noutput: o\nsteps:\n  - convert: {}\n  - heal: {data: {dataset: wiki-sample, part: eval}}\n",
-                          "<recipe>:5: steps[1].heal.data: healing trains on a dataset's calibration part"),
+                          "<recipe>:5: steps[1].heal.data: healing reads a dataset's calibration part"),
+    "calibrate on eval text": ("model: m\noutput: o\nsteps:\n  - convert: {}\ncalibration: {data: {dataset: wiki-sample, part: eval}}\n",
+                               "<recipe>:5: calibration.data: calibration reads a dataset's calibration part"),
     "missing model": ("output: o\nsteps:\n  - convert: {kv_budget: 0.5}\n", "<recipe>:1: model: required key is missing"),
     "unknown step": ("model: m\noutput: o\nsteps:\n  - surgery: {}\n", "<recipe>:4: steps[0]: a step is a mapping"),
     "nested unknown key": ("model: m\noutput: o\nsteps:\n  - heal:\n      teacher: t\n      tokenz: 5\n",

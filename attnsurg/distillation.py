@@ -63,27 +63,35 @@ def chunk_logit_gradient(
     predicted: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's share of the loss and its gradient with respect to the student's logits (in the logits' dtype).
-
-    d/dz T^2 KL(softmax(t/T) || softmax(z/T)) = T (softmax(z/T) - softmax(t/T)); d/dz CE(z, y) = softmax(z) - onehot(y).
-    """
-    loss = logits.new_zeros(())
-    gradient = torch.zeros_like(logits)
+    Works in place on its own temporaries: each is a [chunk, vocab] tensor."""
+    terms = []
     if weights.kl:
-        t = weights.temperature
-        student = F.log_softmax(logits / t, dim=-1)
-        teacher = F.log_softmax(teacher_logits / t, dim=-1)
-        teacher_p = teacher.exp()
-        loss = loss + weights.kl * t * t * (teacher_p * (teacher - student)).sum() / tokens
-        gradient += (weights.kl * t / tokens) * (student.exp() - teacher_p)
+        terms.append((weights.kl / tokens, *kl_and_gradient(logits, teacher_logits, weights.temperature)))
     if weights.lm:
-        scored = labels != IGNORE
-        log_p = F.log_softmax(logits[scored], dim=-1)
-        targets = labels[scored]
-        rows = torch.arange(len(targets), device=logits.device)
-        loss = loss - weights.lm * log_p[rows, targets].sum() / predicted
-        softmax = log_p.exp()
-        softmax[rows, targets] -= 1
-        gradient[scored] += (weights.lm / predicted) * softmax
+        terms.append((weights.lm / predicted, *cross_entropy_and_gradient(logits, labels)))
+    loss, gradient = logits.new_zeros(()), torch.zeros_like(logits) if not terms else None
+    for scale, part, part_gradient in terms:
+        loss += scale * part
+        gradient = part_gradient.mul_(scale) if gradient is None else gradient.add_(part_gradient, alpha=scale)
+    return loss, gradient
+
+
+def kl_and_gradient(logits: torch.Tensor, teacher_logits: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over rows of T^2 KL(softmax(t/T) || softmax(z/T)) and its gradient T (softmax(z/T) - softmax(t/T))."""
+    student = F.log_softmax(logits / t if t != 1 else logits, dim=-1)
+    teacher = F.log_softmax(teacher_logits / t if t != 1 else teacher_logits, dim=-1)
+    teacher_p = teacher.exp()
+    kl = torch.dot(teacher_p.flatten(), teacher.sub_(student).flatten())
+    return t * t * kl, student.exp_().sub_(teacher_p).mul_(t)
+
+
+def cross_entropy_and_gradient(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over scored rows of -log softmax(z)[y] and its gradient softmax(z) - onehot(y) (zero where unscored)."""
+    scored = (labels != IGNORE).unsqueeze(1).to(logits.dtype)
+    targets = labels.clamp(min=0).unsqueeze(1)
+    log_p = F.log_softmax(logits, dim=-1)
+    loss = -(log_p.gather(1, targets) * scored).sum()
+    gradient = log_p.exp_().scatter_add_(1, targets, -torch.ones_like(scored)).mul_(scored)
     return loss, gradient
 
 

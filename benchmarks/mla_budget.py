@@ -1,6 +1,7 @@
 """MLA conversion of the demo model at several KV budgets, against the original in the same run.
 
-    python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--unweighted]
+    python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--calib-seq-len 512]
+                                    [--unweighted]
                                     [--refine-steps 40] [--refine-tokens 2048] [--refine-queries 128]
                                     [--refine-lr 1e-3] [--refine-schedule constant]
                                     [--rope-layout standard]
@@ -30,7 +31,7 @@ from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla as mla_method
 from attnsurg.methods.mla import Refinement, convert, plan_mla
-from attnsurg.recipe import TextData
+from attnsurg.recipe import Calibration, TextData
 
 
 @torch.no_grad()  # not inference_mode: the dtype round trip would leave inference-tensor weights behind
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calib-tokens", type=int, default=4096)
+    parser.add_argument("--calib-seq-len", type=int, default=Calibration().seq_len, help="tokens per calibration window")
     parser.add_argument("--unweighted", action="store_true")
     parser.add_argument("--refine-steps", type=int, default=40)
     parser.add_argument("--rope-layout", default="standard", choices=["standard", "flexible"])
@@ -73,7 +75,7 @@ def main() -> None:
              "convert_s": 0.0, "cache_bytes": cache_bytes_at(model, args.context)}]
     for budget in args.budgets:
         start = time.perf_counter()
-        windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, 512)
+        windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), args.calib_tokens, args.calib_seq_len)
         result = convert(model, family, windows, plan_mla(anatomy, kv_budget=budget, layout=args.rope_layout),
                          not args.unweighted, Refinement(args.refine_steps, args.refine_tokens, args.refine_lr,
                                                          args.refine_schedule))
@@ -92,7 +94,7 @@ def main() -> None:
         print(f"| {r['budget']} | {r['values']} | {layout} | {r['ppl']:.3f} | {r['ratio']:.3f} | {r['convert_s']:.1f} | {r['cache_bytes']:,} |")
     print(f"\npeak memory of this process: {peak:.2f} GB; weighted latent: {not args.unweighted}; "
           f"refinement: {args.refine_steps} steps on {args.refine_tokens} tokens, {args.refine_queries} queries a step, "
-          f"lr {args.refine_lr:g} {args.refine_schedule}; RoPE layout: {args.rope_layout}")
+          f"lr {args.refine_lr:g} {args.refine_schedule}; calibration windows of {args.calib_seq_len}; RoPE layout: {args.rope_layout}")
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
     (results / "mla_budget.json").write_text(json.dumps({"settings": vars(args), "rows": rows, "peak_memory_gb": peak}, indent=2))

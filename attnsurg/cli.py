@@ -96,6 +96,9 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print a machine-readable
 CalibDataset = Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")]
 CalibText = Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")]
 CalibTokens = Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")]
+CalibSeqLen = Annotated[
+    int, typer.Option("--calib-seq-len", help="Tokens per calibration window (calibrate at the context you will use).")
+]
 EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
@@ -105,12 +108,12 @@ PrintRecipe = Annotated[
 ]
 
 
-def calibration_from(dataset: str, text: Path | None, tokens: int):
+def calibration_from(dataset: str, text: Path | None, tokens: int, seq_len: int):
     """The Calibration request the --calib-* options describe (always the calibration part)."""
     from attnsurg.recipe import Calibration, TextData
 
     data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")
-    return Calibration(data=data, tokens=tokens)
+    return Calibration(data=data, tokens=tokens, seq_len=seq_len)
 
 
 # ---------------------------------------------------------------------------------------------- info
@@ -302,9 +305,10 @@ def convert(
     calib_dataset: CalibDataset = "wiki-sample",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
+    calib_seq_len: CalibSeqLen = 512,
     unweighted: Annotated[bool, typer.Option("--unweighted", help="Plain PCA for the latent (no consumer weighting).")] = False,
     refine_steps: Annotated[
-        int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of a 512-token calibration window each) against the original layer's output (0: closed form only).")
+        int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of one calibration window each) against the original layer's output (0: closed form only).")
     ] = 40,
     refine_tokens: Annotated[
         Optional[int], typer.Option("--refine-tokens", help="Calibration tokens used for refinement [default: the first 2048].")
@@ -341,7 +345,7 @@ def convert(
         refine_tokens=refine_tokens,
         refine_lr=refine_lr,
         refine_schedule=refine_schedule,
-        calibration=calibration_from(calib_dataset, calib_text, calib_tokens),
+        calibration=calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len),
         eval_tokens=eval_tokens,
         overwrite=overwrite,
         seed=seed,
@@ -457,6 +461,7 @@ def compress(
     calib_dataset: CalibDataset = "wiki-sample",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
+    calib_seq_len: CalibSeqLen = 512,
     eval_tokens: EvalTokens = 2048,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
@@ -481,7 +486,7 @@ def compress(
         method=method,
         targets=parse_targets(targets),
         ratio=ratio,
-        calibration=calibration_from(calib_dataset, calib_text, calib_tokens),
+        calibration=calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len),
         eval_tokens=eval_tokens,
         overwrite=overwrite,
         seed=seed,

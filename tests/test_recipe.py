@@ -113,7 +113,8 @@ def test_request_and_recipe_convert_both_ways():
         ["compress", "{model}", "--method", "tucker", "--ratio", "0.5", "--calib-tokens", "512"],
         ["compress", "{model}", "--method", "svdllm", "--targets", "k,v", "--kv-latent", "--ratio", "0.5", "--allocate"],
         ["compress", "{model}", "--method", "loki", "--rank", "8", "--top-k", "1/4", "--seed", "3"],
-        ["convert", "{model}", "--to", "mla", "--kv-budget", "0.5", "--refine-steps", "3", "--refine-schedule", "cosine"],
+        ["convert", "{model}", "--to", "mla", "--kv-budget", "0.5", "--refine-steps", "3", "--refine-schedule", "cosine",
+         "--calib-seq-len", "256"],
     ],
     ids=["tucker", "svdllm", "loki", "mla"],
 )
@@ -127,7 +128,7 @@ def test_print_recipe_runs_the_same_as_the_command(args, tiny_checkpoints, tmp_p
     recipe = parse_recipe(printed.output)
     assert recipe.model.ref == model and recipe.output == tmp_path / "out"
     if "--refine-schedule" in args:
-        assert recipe.surgery.refine_schedule == "cosine"
+        assert recipe.surgery.refine_schedule == "cosine" and recipe.calibration.seq_len == 256
     path = tmp_path / "r.yaml"
     path.write_text(printed.output)
     by_flags = runner.invoke(app, argv + ["--dry-run", "--json"])

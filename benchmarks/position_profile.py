@@ -1,0 +1,75 @@
+"""Where in the window an operated model loses: ppl ratio to the original by token position, in one run.
+
+    python benchmarks/position_profile.py CHECKPOINT [CHECKPOINT ...] [--model smollm2-135m] [--windows 4]
+                                          [--length 1024] [--bands 0 128 512 768 1024]
+
+Scores the original and each checkpoint on the same WINDOWS disjoint windows of LENGTH tokens from the start
+of wiki-sample's eval part (fp32), and prints, per band of positions, the original's ppl and each
+checkpoint's ratio to it. An attention approximation fitted on short windows shows up here as a ratio that
+grows with position. Writes benchmarks/results/position_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from attnsurg.data import load_text
+from attnsurg.io.load import load_model, load_tokenizer, resolve_source
+
+
+def windows_of(tokenizer, count: int, length: int) -> torch.Tensor:
+    text = load_text("wiki-sample", None, "eval").text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: count * length]
+    if len(ids) < count * length:
+        raise SystemExit(f"the eval part has {len(ids)} tokens, fewer than {count} x {length}")
+    return torch.tensor(ids).view(count, length)
+
+
+@torch.no_grad()
+def token_nll(model, windows: torch.Tensor) -> torch.Tensor:
+    """[windows, length - 1]: the loss of predicting token t + 1 at position t."""
+    rows = []
+    for window in windows:
+        logits = model(input_ids=window[None]).logits[0, :-1].float()
+        rows.append(F.cross_entropy(logits, window[1:], reduction="none"))
+    return torch.stack(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoints", nargs="+")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--bands", type=int, nargs="+", default=[0, 128, 512, 768, 1024])
+    args = parser.parse_args()
+
+    source = resolve_source(args.model)
+    tokenizer = load_tokenizer(source)
+    windows = windows_of(tokenizer, args.windows, args.length)
+    original = token_nll(load_model(source, torch.float32), windows)
+    bands = list(zip(args.bands[:-1], args.bands[1:]))
+    rows = []
+    for path in args.checkpoints:
+        nll = token_nll(load_model(resolve_source(path), torch.float32), windows)
+        rows.append({"checkpoint": path, "ratio": [float((nll[:, a:b].mean() - original[:, a:b].mean()).exp()) for a, b in bands],
+                     "overall": float((nll.mean() - original.mean()).exp())})
+
+    print("| positions | " + " | ".join(f"{a}-{b - 1}" for a, b in bands) + " | all |")
+    print("|---" * (len(bands) + 2) + "|")
+    print("| original ppl | " + " | ".join(f"{original[:, a:b].mean().exp():.2f}" for a, b in bands)
+          + f" | {original.mean().exp():.2f} |")
+    for row in rows:
+        print(f"| {row['checkpoint']} | " + " | ".join(f"x{r:.3f}" for r in row["ratio"]) + f" | x{row['overall']:.3f} |")
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
+    (results / "position_profile.json").write_text(json.dumps({"settings": vars(args), "bands": bands, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

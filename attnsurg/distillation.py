@@ -8,7 +8,7 @@ TinyBERT, Jiao et al. 2020, eq. 7).
 The output head and the loss run together over ``rows_per_chunk`` tokens at a time, and each chunk's
 gradient with respect to the student's logits is closed form (softmax minus target, so nothing is saved
 for a backward pass): only ``[chunk, vocab]`` float32 logits exist at once, never ``[batch, seq, vocab]``
-(4.2 GB per copy for a batch of 8 x 2048 tokens of a 128K vocabulary). The same idea as the fused linear
+(4.2 GB per float32 copy for a batch of 8 x 1024 tokens of a 128K vocabulary). The same idea as the fused linear
 cross-entropy of Liger-Kernel (Hsu et al. 2024), here with the teacher's distribution as the target.
 """
 

@@ -88,7 +88,7 @@ class InfoRequest(Strict):
 
 
 def calibration_part(data, purpose: str):
-    """``data`` read for calibration or training: its part is the calibration part, written or not."""
+    """``data`` read for training: its part is the calibration part, written or not."""
     if isinstance(data, dict):
         if data.get("part", "calib") != "calib":
             raise ValueError(f"{purpose} reads a dataset's calibration part (part: calib); the eval part is for scoring")
@@ -108,7 +108,11 @@ class Calibration(Strict):
     @field_validator("data", mode="before")
     @classmethod
     def _calibration_part(cls, data):
-        return calibration_part(data, "calibration")
+        """Calibration has only ever read the calibration part; recipes written before the part was recorded
+        as such say ``part: eval`` and still reproduce their checkpoints."""
+        if isinstance(data, dict):
+            return {**data, "part": "calib"}
+        return data.model_copy(update={"part": "calib"}) if isinstance(data, TextData) else data
 
 
 class SurgeryContext(Strict):

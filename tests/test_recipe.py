@@ -43,6 +43,13 @@ def test_calibration_and_training_text_is_the_calibration_part_when_unwritten():
     assert "part: eval" not in dump_recipe(recipe)
 
 
+def test_recipes_that_recorded_calibration_as_eval_still_read_the_calibration_part():
+    """Earlier checkpoints' recipes say part: eval under calibration, which has always read the calibration part."""
+    recipe = parse_recipe("model: m\noutput: o\nsteps:\n  - convert: {}\n"
+                          "calibration: {data: {dataset: wiki-sample, text: null, part: eval}}\n")
+    assert recipe.calibration.data.part == "calib"
+
+
 BAD = {
     "unknown key": ("model: m\noutput: o\nsteps:\n  - compress:\n      method: tucker\n      ratoi: 0.5\n",
                     "<recipe>:6: steps[0].compress.ratoi: unknown key"),
@@ -59,8 +66,6 @@ BAD = {
                               "the source model is the teacher"),
     "heal on eval text": ("model: m\noutput: o\nsteps:\n  - convert: {}\n  - heal: {data: {dataset: wiki-sample, part: eval}}\n",
                           "<recipe>:5: steps[1].heal.data: healing reads a dataset's calibration part"),
-    "calibrate on eval text": ("model: m\noutput: o\nsteps:\n  - convert: {}\ncalibration: {data: {dataset: wiki-sample, part: eval}}\n",
-                               "<recipe>:5: calibration.data: calibration reads a dataset's calibration part"),
     "missing model": ("output: o\nsteps:\n  - convert: {kv_budget: 0.5}\n", "<recipe>:1: model: required key is missing"),
     "unknown step": ("model: m\noutput: o\nsteps:\n  - surgery: {}\n", "<recipe>:4: steps[0]: a step is a mapping"),
     "nested unknown key": ("model: m\noutput: o\nsteps:\n  - heal:\n      teacher: t\n      tokenz: 5\n",

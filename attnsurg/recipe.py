@@ -9,7 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -85,17 +94,6 @@ class InfoRequest(Strict):
     """``attnsurg info``: the attention anatomy of one model, read from its config."""
 
     model: ModelRef
-
-
-def calibration_part(data, purpose: str):
-    """``data`` read for training: its part is the calibration part, written or not."""
-    if isinstance(data, dict):
-        if data.get("part", "calib") != "calib":
-            raise ValueError(f"{purpose} reads a dataset's calibration part (part: calib); the eval part is for scoring")
-        return {**data, "part": "calib"}
-    if isinstance(data, TextData) and data.part != "calib":
-        raise ValueError(f"{purpose} reads a dataset's calibration part (part: calib); the eval part is for scoring")
-    return data
 
 
 class Calibration(Strict):
@@ -233,7 +231,11 @@ class HealSettings(Strict):
     @field_validator("data", mode="before")
     @classmethod
     def _calibration_part(cls, data):
-        return calibration_part(data, "healing")
+        """Unwritten, the part is the calibration part; the eval part is refused."""
+        part = data.get("part", "calib") if isinstance(data, dict) else getattr(data, "part", "calib")
+        if part != "calib":
+            raise ValueError("healing reads a dataset's calibration part (part: calib); the eval part is for scoring")
+        return {**data, "part": "calib"} if isinstance(data, dict) else data
 
 
 # ------------------------------------------------------------------------------- requests (one command)

@@ -18,16 +18,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from attnsurg.data import load_text
+from attnsurg.eval.perplexity import eval_windows
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
+from attnsurg.recipe import TextData
 
 
 def windows_of(tokenizer, count: int, length: int) -> torch.Tensor:
-    text = load_text("wiki-sample", None, "eval").text
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: count * length]
-    if len(ids) < count * length:
-        raise SystemExit(f"the eval part has {len(ids)} tokens, fewer than {count} x {length}")
-    return torch.tensor(ids).view(count, length)
+    """The windows ``perplexity_of`` scores for the same count and length: the start of the eval part."""
+    tokens, _ = eval_windows(tokenizer, TextData(dataset="wiki-sample", part="eval"), length, count * length)
+    if len(tokens.ids) < count * length:
+        raise SystemExit(f"the eval part has {len(tokens.ids)} tokens, fewer than {count} x {length}")
+    return tokens.ids[: count * length].view(count, length)
 
 
 @torch.no_grad()

@@ -2,8 +2,8 @@
 
 Per token: ``kl_weight * T^2 KL(p_teacher^T || p_student^T) + lm_weight * CE(student, next token)`` (Hinton et
 al. 2015, eq. 1-2, with temperature T), plus optionally ``hidden_weight`` times the mean over layers of the
-relative error of the student's residual stream against the teacher's (intermediate-layer distillation, as in
-TinyBERT, Jiao et al. 2020, eq. 7).
+relative error of the student's residual stream against the teacher's, token by token (intermediate-layer
+distillation, as in TinyBERT, Jiao et al. 2020, eq. 7).
 
 The output head and the loss run together over ``rows_per_chunk`` tokens at a time, and each chunk's
 gradient with respect to the student's logits is closed form (softmax minus target, so nothing is saved
@@ -141,7 +141,10 @@ def logit_loss(
 
 
 def residual_stream_error(student_hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Mean over layers of ||student - teacher||^2 / ||teacher||^2 (the embeddings, entry 0, are skipped)."""
-    errors = [(s.float() - t.float()).pow(2).sum() / t.float().pow(2).sum()
+    """Mean over layers and tokens of ||student - teacher||^2 / ||teacher||^2, token by token (the embeddings,
+    entry 0, are skipped). Relative per token, not over the whole stream: the first token of a window is an
+    attention sink whose residual stream grows ~10^4 times the others' from the middle layers on, and a
+    stream-wide ratio would spend the loss on it alone."""
+    errors = [((s.float() - t.float()).pow(2).sum(-1) / t.float().pow(2).sum(-1)).mean()
               for s, t in zip(student_hidden[1:], teacher_hidden[1:])]
     return torch.stack(errors).mean()

@@ -57,7 +57,13 @@ def test_loss_is_zero_when_the_student_is_the_teacher():
     assert logit_loss(hidden, head, hidden, head, torch.randint(13, (2, 5)), LossWeights()).abs() < 1e-6
 
 
-def test_residual_stream_error_skips_the_embeddings_and_is_relative():
+def test_residual_stream_error_skips_the_embeddings_and_is_relative_per_token():
     teacher = (torch.ones(1, 2, 4), torch.ones(1, 2, 4), 2 * torch.ones(1, 2, 4))
     student = (torch.zeros(1, 2, 4), 1.5 * torch.ones(1, 2, 4), 2 * torch.ones(1, 2, 4))
     assert residual_stream_error(student, teacher).item() == pytest.approx((0.25 + 0.0) / 2)
+    # A token with a 100x larger stream (an attention sink) counts as much as any other token, not 10^4 times more.
+    sink = torch.tensor([[[100.0] * 4, [1.0] * 4]])
+    off_by_half = (sink, 1.5 * sink)
+    assert residual_stream_error(off_by_half, (sink, sink)).item() == pytest.approx(0.25)
+    only_sink_wrong = (sink, torch.tensor([[[150.0] * 4, [1.0] * 4]]))
+    assert residual_stream_error(only_sink_wrong, (sink, sink)).item() == pytest.approx(0.25 / 2)

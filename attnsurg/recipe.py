@@ -205,10 +205,10 @@ class HealSettings(Strict):
     teacher: ModelRef | None = None
     data: TextData = TextData(dataset="wiki-sample", part="calib")
     tokens: int = Field(100_000, gt=0)
-    seq_len: int = Field(512, gt=1)
+    seq_len: int = Field(1024, gt=1)
     batch_size: int = Field(1, gt=0)
     grad_accum: int = Field(1, gt=0)
-    lr: float = Field(2.5e-4, gt=0)
+    lr: float = Field(1.5e-4, gt=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup: float = Field(0.05, ge=0, lt=1)
     kl_weight: float = Field(1.0, ge=0)

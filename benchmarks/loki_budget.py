@@ -67,10 +67,11 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calib-tokens", type=int, default=4096)
+    parser.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384])
     args = parser.parse_args()
 
-    setup = prepare(args.model, args.windows, args.calib_tokens)
+    setup = prepare(args.model, args.windows, args.calib_tokens, args.calib_seq_len)
     attention_stats = [x for x, _ in setup.stats]
     first_window = setup.tokens.ids[None, :1024]
     rows = []

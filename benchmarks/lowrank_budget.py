@@ -1,6 +1,6 @@
 """Low-rank compression of the demo model: every method against the original in the same run.
 
-    python benchmarks/lowrank_budget.py [--kv-ratios 0.5 0.25] [--param-ratio 0.6] [--windows 4] [--calib-tokens 4096]
+    python benchmarks/lowrank_budget.py [--kv-ratios 0.5 0.25] [--param-ratio 0.6] [--windows 4] [--calib-tokens 4096] [--calib-seq-len 512]
 
 Calibrates once on the calibration half of wiki-sample (statistics shared by every row), evaluates on the
 first WINDOWS x 1024 tokens of its evaluation half (disjoint windows, fp32), no healing. Two tables:
@@ -65,9 +65,10 @@ def main() -> None:
     parser.add_argument("--param-ratio", type=float, nargs="*", default=[0.6])
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calib-tokens", type=int, default=4096)
+    parser.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
     args = parser.parse_args()
 
-    setup = prepare(args.model, args.windows, args.calib_tokens)
+    setup = prepare(args.model, args.windows, args.calib_tokens, args.calib_seq_len)
     original, calibration_s = setup.original_ppl, setup.calibration_s
     record = {"original_ppl": original, "calibration_s": calibration_s,
               "original_kv_bytes_per_token": cache_bytes_per_token(setup.model), "tables": {}}

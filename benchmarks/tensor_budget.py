@@ -1,6 +1,6 @@
 """Tucker and CP against SVD-LLM on the demo model at equal attention parameters, in one run.
 
-    python benchmarks/tensor_budget.py [--ratios 0.75 0.5 0.35] [--windows 4] [--calib-tokens 4096]
+    python benchmarks/tensor_budget.py [--ratios 0.75 0.5 0.35] [--windows 4] [--calib-tokens 4096] [--calib-seq-len 512]
 
 Calibrates once on the calibration half of wiki-sample (statistics shared by every row), evaluates on the
 first WINDOWS x 1024 tokens of its evaluation half (disjoint windows, fp32), q,k,v,o targeted, no
@@ -47,11 +47,12 @@ def main() -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.75, 0.5, 0.35])
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calib-tokens", type=int, default=4096)
+    parser.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--plain-tensor", action="store_true", help="Also tucker and cp without consumer weights.")
     parser.add_argument("--data-free-stacked", action="store_true", help="Also stacked tucker with data-free factors.")
     args = parser.parse_args()
 
-    setup = prepare(args.model, args.windows, args.calib_tokens)
+    setup = prepare(args.model, args.windows, args.calib_tokens, args.calib_seq_len)
     original, calibration_s = setup.original_ppl, setup.calibration_s
     rows = []
     for ratio in args.ratios:

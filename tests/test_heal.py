@@ -236,3 +236,16 @@ def test_two_processes_share_the_steps_and_one_writes(tiny_checkpoints, corpus_f
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("healed 8 steps (1,024 tokens)") == 1, result.stdout
     assert (tmp_path / "healed" / "config.json").is_file()
+
+
+def test_heal_command_defaults_are_the_recipe_defaults():
+    """`attnsurg heal` and a `heal:` recipe step with the same fields left out must train alike."""
+    import inspect
+
+    from attnsurg import cli
+
+    command = inspect.signature(cli.heal).parameters
+    shared = set(command) & set(HealSettings.model_fields) - {"teacher", "eval_tokens"}
+    assert {"seq_len", "lr", "tokens", "train", "warmup", "schedule"} <= shared
+    for name in shared:
+        assert command[name].default == HealSettings.model_fields[name].default, name

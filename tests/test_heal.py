@@ -179,7 +179,7 @@ def test_distiller_loss_and_gradients_equal_the_plain_loss_on_whole_logits(teach
     t = F.log_softmax(taught.logits.flatten(0, 1) / 2.0, dim=-1)
     plain = 4.0 * F.kl_div(s, t, log_target=True, reduction="batchmean")
     plain = plain + 0.5 * F.cross_entropy(learned.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    layers = [(a - b).pow(2).sum() / b.pow(2).sum() for a, b in zip(learned.hidden_states[1:], taught.hidden_states[1:])]
+    layers = [((a - b).pow(2).sum(-1) / b.pow(2).sum(-1)).mean() for a, b in zip(learned.hidden_states[1:], taught.hidden_states[1:])]
     plain = plain + 0.25 * torch.stack(layers).mean()
     want = torch.autograd.grad(plain, [p for p in student.parameters() if p.requires_grad])
 

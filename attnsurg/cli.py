@@ -305,7 +305,7 @@ def convert(
     calib_dataset: CalibDataset = "wiki-sample",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
-    calib_seq_len: CalibSeqLen = 1024,
+    calib_seq_len: CalibSeqLen = 512,
     unweighted: Annotated[bool, typer.Option("--unweighted", help="Plain PCA for the latent (no consumer weighting).")] = False,
     refine_steps: Annotated[
         int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of one calibration window each) against the original layer's output (0: closed form only).")

@@ -96,21 +96,12 @@ class InfoRequest(Strict):
     model: ModelRef
 
 
-# Tokens per calibration window when a recipe or request leaves it out. Measured on the demo model (README,
-# "MLA"): an MLA conversion only learns the RoPE phases its windows reach, and 1024 beats 512 at every KV
-# budget (x2.538 against x2.859 at 0.25); compression's statistics do better on 512 (svdllm k/v at 0.25: x2.198
-# against x2.382 on 1024).
-MLA_CALIBRATION_SEQ_LEN = 1024
-COMPRESS_CALIBRATION_SEQ_LEN = 512
-
-
 class Calibration(Strict):
-    """Calibration text (always its calibration part) and how much of it to use. ``seq_len`` left out is
-    COMPRESS_CALIBRATION_SEQ_LEN, or MLA_CALIBRATION_SEQ_LEN under a convert step."""
+    """Calibration text (always its calibration part) and how much of it to use."""
 
     data: TextData = TextData(dataset="wiki-sample", part="calib")
     tokens: int = Field(4096, gt=0)
-    seq_len: int = Field(COMPRESS_CALIBRATION_SEQ_LEN, gt=1)
+    seq_len: int = Field(512, gt=1)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -258,26 +249,8 @@ def check_refinement_fits(settings: MLASettings, calibration: Calibration) -> No
         )
 
 
-def with_mla_window(calibration):
-    """The calibration of an MLA conversion: MLA_CALIBRATION_SEQ_LEN-token windows unless ``seq_len`` was given
-    (``calibration`` is a Calibration, its fields as a dict, or absent)."""
-    if calibration is None:
-        return Calibration(seq_len=MLA_CALIBRATION_SEQ_LEN)
-    if isinstance(calibration, Calibration):
-        given = "seq_len" in calibration.model_fields_set
-        return calibration if given else calibration.model_copy(update={"seq_len": MLA_CALIBRATION_SEQ_LEN})
-    if isinstance(calibration, dict) and "seq_len" not in calibration:
-        return {**calibration, "seq_len": MLA_CALIBRATION_SEQ_LEN}
-    return calibration  # anything else: validation reports it
-
-
 class ConvertMLA(MLASettings, SurgeryContext):
     """``attnsurg convert MODEL --to mla``: GQA/MHA to a DeepseekV3 (latent attention) checkpoint."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _long_calibration_windows(cls, data):
-        return {**data, "calibration": with_mla_window(data.get("calibration"))} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _refinement_fits(self) -> ConvertMLA:
@@ -338,10 +311,6 @@ class HealStep(Strict):
 STEP_KINDS = ("convert", "compress", "heal")
 
 
-def is_convert_step(step) -> bool:
-    return isinstance(step, ConvertStep) or (isinstance(step, dict) and "convert" in step)
-
-
 def step_kind(value) -> str | None:
     """A step is a mapping with exactly one key, the kind of step."""
     if isinstance(value, dict):
@@ -377,13 +346,6 @@ class Recipe(Strict):
     calibration: Calibration = Calibration()
     eval: Evaluation = Evaluation()
     seed: int = 0
-
-    @model_validator(mode="before")
-    @classmethod
-    def _long_calibration_windows_for_mla(cls, data):
-        if not isinstance(data, dict) or not any(is_convert_step(step) for step in data.get("steps") or []):
-            return data
-        return {**data, "calibration": with_mla_window(data.get("calibration"))}
 
     @model_validator(mode="after")
     def _supported_order(self) -> Recipe:

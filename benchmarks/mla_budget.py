@@ -1,6 +1,6 @@
 """MLA conversion of the demo model at several KV budgets, against the original in the same run.
 
-    python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--calib-seq-len 1024]
+    python benchmarks/mla_budget.py [--budgets 0.5 0.25 0.125] [--windows 4] [--calib-tokens 4096] [--calib-seq-len 512]
                                     [--unweighted]
                                     [--refine-steps 40] [--refine-tokens 2048] [--refine-queries 128]
                                     [--refine-lr 1e-3] [--refine-schedule constant]
@@ -31,7 +31,7 @@ from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla as mla_method
 from attnsurg.methods.mla import Refinement, convert, plan_mla
-from attnsurg.recipe import MLA_CALIBRATION_SEQ_LEN, TextData
+from attnsurg.recipe import Calibration, TextData
 
 
 @torch.no_grad()  # not inference_mode: the dtype round trip would leave inference-tensor weights behind
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calib-tokens", type=int, default=4096)
-    parser.add_argument("--calib-seq-len", type=int, default=MLA_CALIBRATION_SEQ_LEN, help="tokens per calibration window")
+    parser.add_argument("--calib-seq-len", type=int, default=Calibration().seq_len, help="tokens per calibration window")
     parser.add_argument("--unweighted", action="store_true")
     parser.add_argument("--refine-steps", type=int, default=40)
     parser.add_argument("--rope-layout", default="standard", choices=["standard", "flexible"])

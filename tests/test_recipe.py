@@ -1,7 +1,6 @@
 """Recipes: YAML <-> objects, errors with field and line, the CLI and its recipe are one thing, and a
 checkpoint's own recipe reproduces it bit for bit."""
 
-import inspect
 from pathlib import Path
 
 import pytest
@@ -11,16 +10,7 @@ from typer.testing import CliRunner
 from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.recipe_file import dump_recipe, load_recipe, parse_recipe, shipped_recipes
-from attnsurg.recipe import (
-    COMPRESS_CALIBRATION_SEQ_LEN,
-    MLA_CALIBRATION_SEQ_LEN,
-    Calibration,
-    CompressLowRank,
-    ConvertMLA,
-    HealSettings,
-    ModelRef,
-    Recipe,
-)
+from attnsurg.recipe import CompressLowRank, HealSettings, ModelRef, Recipe
 
 SHIPPED = shipped_recipes()
 REQUIRED_SHIPPED = {"mla-50", "mla-25", "svdllm-kv-latent-50", "tucker-50", "loki-r32-k25"}
@@ -51,31 +41,6 @@ def test_calibration_and_training_text_is_the_calibration_part_when_unwritten():
                           "calibration: {data: {dataset: wiki-sample}}\n")
     assert recipe.calibration.data.part == "calib" and recipe.steps[1].heal.data.part == "calib"
     assert "part: eval" not in dump_recipe(recipe)
-
-
-def test_calibration_windows_default_per_method_and_stay_as_written():
-    def window(steps: str, calibration: str = "") -> int:
-        return parse_recipe(f"model: m\noutput: o\nsteps:\n{steps}{calibration}").calibration.seq_len
-
-    assert window("  - convert: {to: mla}\n") == MLA_CALIBRATION_SEQ_LEN == 1024
-    assert window("  - convert: {to: mla}\n", "calibration: {tokens: 8192}\n") == MLA_CALIBRATION_SEQ_LEN
-    assert window("  - compress: {method: svdllm, ratio: 0.5}\n") == COMPRESS_CALIBRATION_SEQ_LEN == 512
-    assert window("  - convert: {to: mla}\n", "calibration: {seq_len: 512}\n") == 512
-    assert window("  - compress: {method: loki, rank: 8}\n", "calibration: {seq_len: 1024}\n") == 1024
-    assert ConvertMLA(model=ModelRef(ref="m"), output=Path("o")).calibration.seq_len == MLA_CALIBRATION_SEQ_LEN
-    given = Calibration(seq_len=512)
-    assert ConvertMLA(model=ModelRef(ref="m"), output=Path("o"), calibration=given).calibration.seq_len == 512
-    request = ConvertMLA(model=ModelRef(ref="m"), output=Path("o"))
-    assert Recipe.from_request(request).request() == request
-
-
-def test_command_calibration_defaults_are_the_recipe_defaults():
-    from attnsurg import cli
-
-    def default(command) -> int:
-        return inspect.signature(command).parameters["calib_seq_len"].default
-
-    assert default(cli.convert) == MLA_CALIBRATION_SEQ_LEN and default(cli.compress) == COMPRESS_CALIBRATION_SEQ_LEN
 
 
 def test_recipes_that_recorded_calibration_as_eval_still_read_the_calibration_part():

@@ -2,12 +2,17 @@
 
 ``eval`` and ``calib`` never overlap, so no command can calibrate on the very tokens it is evaluated on.
 For the built-in samples the split is by document: the first half of the documents is the evaluation
-part, the second half the calibration part. A user's own ``--text`` file is used whole.
+part, the second half the calibration part. Six built-in domains come from one pinned wheel (wiki, c4,
+code, technical, multilingual, stories), so quality can be read off the calibration domain. A user's own
+``--text`` file is used whole.
 """
 
 from __future__ import annotations
 
+import difflib
+import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -16,8 +21,10 @@ from attnsurg.errors import UserError
 from attnsurg.io.assets import ensure_text
 
 Part = Literal["eval", "calib"]
-BUILTIN_DATASETS = ("wiki-sample", "c4-sample", "wikitext2")
 WIKI_DOC = re.compile(r"<doc[^>]*>(.*?)</doc>", flags=re.S)
+STORY_END = "<|endoftext|>"
+PARAGRAPH_BLOCK_CHARS = 3000
+DOCUMENT_ORDER_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -35,8 +42,61 @@ def wiki_documents(raw: str) -> list[str]:
 
 
 def line_documents(raw: str) -> list[str]:
-    """c4.utf8 holds one document per line."""
+    """One document per line (c4.utf8; multilingual.utf8, whose lines are whole fables and passages)."""
     return [line.strip() for line in raw.splitlines() if line.strip()]
+
+
+def code_documents(raw: str) -> list[str]:
+    """code.utf8 separates its files by two or more blank lines (single blank lines occur inside code)."""
+    return [doc.strip("\n") for doc in re.split(r"\n{3,}", raw) if doc.strip()]
+
+
+def story_documents(raw: str) -> list[str]:
+    """tiny.utf8 ends every story with ``<|endoftext|>``."""
+    return [story.strip() for story in raw.split(STORY_END) if story.strip()]
+
+
+def paragraph_blocks(raw: str, min_chars: int = PARAGRAPH_BLOCK_CHARS) -> list[str]:
+    """technical.utf8 has no document markers: consecutive paragraphs grouped into blocks of at least
+    ``min_chars`` characters, so a block keeps a few pages of one text together."""
+    blocks: list[str] = []
+    current: list[str] = []
+    for paragraph in (p.strip() for p in raw.split("\n\n")):
+        if paragraph:
+            current.append(paragraph)
+        if sum(len(p) for p in current) >= min_chars:
+            blocks.append("\n\n".join(current))
+            current = []
+    if current:
+        blocks.append("\n\n".join(current))
+    return blocks
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A built-in text: how its file splits into documents, and whether their order is shuffled (with a
+    fixed seed) before halving, for files that group documents by kind (languages, programming languages),
+    so both halves and the first evaluation windows mix every kind."""
+
+    name: str
+    documents: Callable[[str], list[str]]
+    shuffled: bool = False
+
+
+DOMAINS: dict[str, Domain] = {
+    d.name: d
+    for d in (
+        Domain("wiki-sample", wiki_documents),
+        Domain("c4-sample", line_documents),
+        Domain("code-sample", code_documents, shuffled=True),
+        Domain("technical-sample", paragraph_blocks, shuffled=True),
+        Domain("multilingual-sample", line_documents, shuffled=True),
+        Domain("stories-sample", story_documents),
+    )
+}
+ALL_DOMAINS = "all"
+BUILTIN_DATASETS = (*DOMAINS, "wikitext2")
+SURGERY_DOMAINS = ("wiki-sample", "c4-sample", "code-sample")
 
 
 def half_of(documents: list[str], part: Part) -> list[str]:
@@ -44,16 +104,39 @@ def half_of(documents: list[str], part: Part) -> list[str]:
     return documents[:middle] if part == "eval" else documents[middle:]
 
 
+def domain_documents(domain: Domain) -> list[str]:
+    documents = domain.documents(ensure_text(domain.name).read_text(encoding="utf-8"))
+    if domain.shuffled:
+        random.Random(DOCUMENT_ORDER_SEED).shuffle(documents)
+    return documents
+
+
 def load_dataset_text(name: str, part: Part) -> Text:
-    if name == "wiki-sample":
-        documents = wiki_documents(ensure_text("wiki-sample").read_text(encoding="utf-8"))
-    elif name == "c4-sample":
-        documents = line_documents(ensure_text("c4-sample").read_text(encoding="utf-8"))
-    elif name == "wikitext2":
+    if name == "wikitext2":
         return Text(name, part, wikitext2(part))
-    else:
-        raise UserError(f"unknown dataset '{name}'; choose one of {', '.join(BUILTIN_DATASETS)} or pass --text PATH")
-    return Text(name, part, "\n\n".join(half_of(documents, part)))
+    check_dataset_name(name)
+    return Text(name, part, "\n\n".join(half_of(domain_documents(DOMAINS[name]), part)))
+
+
+def check_dataset_name(name: str) -> None:
+    if name not in BUILTIN_DATASETS:
+        prefixed = [known for known in BUILTIN_DATASETS if name and known.startswith(name)]
+        close = prefixed[:1] or difflib.get_close_matches(name, BUILTIN_DATASETS, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise UserError(f"unknown dataset '{name}'; {hint}choose from {', '.join(BUILTIN_DATASETS)}, or give a text file")
+
+
+def parse_datasets(value: str) -> list[str]:
+    """A comma-separated list of dataset names, ``all`` for the six built-in domains; checked, in order."""
+    names: list[str] = []
+    for name in (part.strip() for part in value.split(",")):
+        for expanded in DOMAINS if name == ALL_DOMAINS else [name]:
+            check_dataset_name(expanded)
+            if expanded not in names:
+                names.append(expanded)
+    if not names:
+        raise UserError(f"no dataset named in '{value}'; choose from {', '.join(BUILTIN_DATASETS)} or {ALL_DOMAINS}")
+    return names
 
 
 def wikitext2(part: Part) -> str:

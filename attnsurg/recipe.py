@@ -60,6 +60,7 @@ class PerplexityEval(Strict):
 
     models: list[ModelRef] = Field(min_length=1)
     data: TextData = TextData(dataset="wiki-sample")
+    more_data: list[TextData] = Field(default_factory=list, description="Further texts scored on the same settings.")
     max_length: int = Field(1024, gt=1)
     stride: int | None = Field(None, gt=0)
     max_tokens: int | None = Field(None, gt=1)
@@ -72,6 +73,10 @@ class PerplexityEval(Strict):
     def effective_stride(self) -> int:
         return self.stride or self.max_length
 
+    @property
+    def texts(self) -> list[TextData]:
+        return [self.data, *self.more_data]
+
     @model_validator(mode="after")
     def _stride_within_window(self) -> PerplexityEval:
         if self.stride is not None and self.stride > self.max_length:
@@ -79,6 +84,43 @@ class PerplexityEval(Strict):
         if self.max_tokens is not None and self.max_tokens < self.max_length:
             raise ValueError(f"max_tokens ({self.max_tokens}) is smaller than one window ({self.max_length})")
         return self
+
+
+TASK_NAMES = ("facts", "cloze", "passkey")
+
+
+class TasksEval(Strict):
+    """``attnsurg eval tasks``: zero-shot tasks scored the way lm-evaluation-harness scores them, every model
+    on the same items."""
+
+    models: list[ModelRef] = Field(min_length=1)
+    tasks: list[Literal["facts", "cloze", "passkey"]] = Field(default_factory=lambda: list(TASK_NAMES), min_length=1)
+    limit: int | None = Field(None, gt=0, description="At most this many items per task (facts, cloze).")
+    cloze_items: int = Field(300, gt=0)
+    passkey_lengths: list[int] | None = None
+    max_length: int = Field(2048, gt=1, description="Longest input for log-likelihood items (left-truncated).")
+    dtype: DType = "auto"
+    device: str = "auto"
+
+
+class SpeedEval(Strict):
+    """``attnsurg eval speed``: prefill and decode throughput, KV cache held and peak memory per context."""
+
+    models: list[ModelRef] = Field(min_length=1)
+    contexts: list[int] = Field(default_factory=lambda: [1024, 4096], min_length=1)
+    new_tokens: int = Field(64, ge=0)
+    repeats: int = Field(3, gt=0)
+    warmup: int = Field(1, ge=0)
+    dtype: DType = "auto"
+    device: str = "auto"
+    seed: int = 0
+
+    @field_validator("contexts")
+    @classmethod
+    def _positive(cls, contexts: list[int]) -> list[int]:
+        if any(c < 1 for c in contexts):
+            raise ValueError("contexts must be positive token counts")
+        return contexts
 
 
 class InfoRequest(Strict):

@@ -40,7 +40,8 @@ def test_hand_placed_wheel_is_verified(tmp_path, monkeypatch):
 def test_listing_shows_cache_state(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
     rows = {r["name"]: r for r in assets.asset_table_rows()}
-    assert set(rows) == {"smollm2-135m", "wiki-sample", "c4-sample"}
+    assert set(rows) == {"smollm2-135m", "wiki-sample", "c4-sample", "code-sample", "technical-sample",
+                         "multilingual-sample", "stories-sample", "geonames-countries"}
     assert rows["wiki-sample"]["cached"] == "not fetched"
     (tmp_path / "text").mkdir()
     Path(tmp_path / "text" / "wiki.utf8").write_text("x")

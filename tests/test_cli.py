@@ -132,3 +132,65 @@ def test_asset_fetch_impossible(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: network is unreachable"))
     assert_user_error(invoke("assets", "fetch", "c4-sample"), "by hand", str(tmp_path / "downloads"))
     assert_user_error(invoke("assets", "fetch", "imagenet"), "unknown asset")
+
+
+def fake_assets(cache) -> None:
+    """Tiny stand-ins for the built-in texts and the country table, so commands run offline."""
+    text = cache / "text"
+    text.mkdir(parents=True)
+    paragraph = " ".join(["The keeper walked to the lighthouse by the sea and the lighthouse shone."] * 6)
+    wiki = "".join(f'<doc id="{i}">\nTitle {i}\n\n{paragraph} At night he lit the lighthouse.\n</doc>\n' for i in range(8))
+    (text / "wiki.utf8").write_text(wiki, encoding="utf-8")
+    (text / "c4.utf8").write_text("\n".join(f"Web page {i} about gardens and tools." * 40 for i in range(6)), encoding="utf-8")
+    (text / "code.utf8").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" * 30 + "\n\n\n" for i in range(6)))
+    data = cache / "data"
+    data.mkdir()
+    countries = {iso: {"iso": iso, "name": name, "capital": cap, "continentcode": "EU", "population": 10**6}
+                 for iso, name, cap in [("FR", "France", "Paris"), ("DE", "Germany", "Berlin"), ("IT", "Italy", "Rome"),
+                                        ("ES", "Spain", "Madrid"), ("PT", "Portugal", "Lisbon")]}
+    (data / "countries.json").write_text(json.dumps(countries), encoding="utf-8")
+
+
+def test_eval_perplexity_over_domains(tiny_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
+    fake_assets(tmp_path)
+    a, b = tiny_checkpoints["llama-gqa"], tiny_checkpoints["qwen2"]
+    args = ["eval", "perplexity", a, b, "--dataset", "wiki-sample,c4-sample,code-sample", "--max-length", "64",
+            "--max-tokens", "128", "--device", "cpu"]
+    table = invoke(*args)
+    assert table.exit_code == 0, table.output
+    assert "worst" in table.stdout and "code" in table.stdout
+    record = json.loads(invoke(*args, "--json").stdout)
+    assert record["texts"] == ["wiki-sample", "c4-sample", "code-sample"] and len(record["results"]) == 6
+    assert record["worst"][str(b)] in record["texts"]
+    assert_user_error(invoke("eval", "perplexity", a, "--dataset", "wiki-sample,cod"), "unknown dataset 'cod'", "code-sample")
+
+
+def test_eval_tasks_runs_offline_and_reports_retained(tiny_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
+    fake_assets(tmp_path)
+    a, b = tiny_checkpoints["llama-gqa"], tiny_checkpoints["qwen2"]
+    result = invoke("eval", "tasks", a, b, "--tasks", "facts,cloze,passkey", "--passkey-lengths", "192,256", "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    first, second = record["models"]
+    assert first["results"]["facts"]["metrics"]["items"] == 10  # 5 capitals + 5 continents
+    assert first["results"]["cloze"]["metrics"]["items"] == 4  # the evaluation half: 4 of 8 articles
+    assert set(second["results"]["passkey"]["details"]["acc_by_length"]) == {"192", "256"}
+    assert set(second["retained"]["facts"]) == {"choice_acc", "greedy_acc"}
+    table = invoke("eval", "tasks", a, "--tasks", "facts", "--limit", "3", "--device", "cpu")
+    assert table.exit_code == 0 and "facts 4-way" in table.stdout and "facts 3" in table.stdout
+
+
+def test_eval_tasks_and_speed_refuse_bad_input_before_work(tiny_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
+    fake_assets(tmp_path)
+    a = tiny_checkpoints["llama-gqa"]
+    assert_user_error(invoke("eval", "tasks", a, "--tasks", "facts,hellaswag"), "unknown task 'hellaswag'")
+    assert_user_error(invoke("eval", "tasks", a, "--tasks", "passkey", "--passkey-lengths", "512"),
+                      "beyond the model's context (256 positions)")
+    assert_user_error(invoke("eval", "tasks", a, tmp_path / "typo", "--tasks", "facts"), "typo")
+    assert_user_error(invoke("eval", "speed", a, "--context", "1024"), "beyond", "256 positions")
+    assert_user_error(invoke("eval", "speed", a, "--context", "1k"), "--context expects comma-separated integers")
+    (tmp_path / "text" / "wiki.utf8").write_text('<doc id="0">\nToo short.\n</doc>\n', encoding="utf-8")
+    assert_user_error(invoke("eval", "tasks", a, "--tasks", "cloze"), "no cloze items")

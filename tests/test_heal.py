@@ -242,9 +242,9 @@ def test_heal_command_defaults_are_the_recipe_defaults():
     """`attnsurg heal` and a `heal:` recipe step with the same fields left out must train alike."""
     import inspect
 
-    from attnsurg import cli
+    from attnsurg.cli.heal import heal
 
-    command = inspect.signature(cli.heal).parameters
+    command = inspect.signature(heal).parameters
     shared = set(command) & set(HealSettings.model_fields) - {"teacher", "eval_tokens"}
     assert {"seq_len", "lr", "tokens", "train", "warmup", "schedule"} <= shared
     for name in shared:

@@ -72,3 +72,20 @@ def test_bits_per_byte_counts_the_bytes_of_scored_text(tiny_checkpoints, tmp_pat
     first_token = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:1])
     scored_bytes = len(text.encode()) - len(first_token.encode())  # sliding windows score all but the first token
     assert result.bits_per_byte == pytest.approx(result.nll / (scored_bytes * math.log(2)), rel=1e-9)
+
+
+def test_several_texts_give_a_ratio_matrix_and_each_models_worst_text(tiny_checkpoints, corpus_file, tmp_path):
+    other = tmp_path / "numbers.txt"
+    other.write_text(" ".join(str(i) for i in range(3000)), encoding="utf-8")
+    models = [ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), ModelRef(ref=str(tiny_checkpoints["qwen2"]))]
+    common = dict(models=models, max_length=128, max_tokens=256, device="cpu")
+    report = run_perplexity(PerplexityEval(data=TextData(text=corpus_file), more_data=[TextData(text=other)], **common))
+    assert report.texts == [str(corpus_file), str(other)] and len(report.results) == 4
+    for text in report.texts:  # each text scores as it does alone
+        alone = run_perplexity(PerplexityEval(data=TextData(text=text), **common))
+        for model in models:
+            assert report.row(model.ref, text).ppl == pytest.approx(alone.row(model.ref, text).ppl, rel=1e-9)
+    second = models[1].ref
+    assert report.ratios[models[0].ref] == {str(corpus_file): 1.0, str(other): 1.0}
+    assert report.ratios[second][str(other)] == pytest.approx(report.row(second, str(other)).ppl / report.row(models[0].ref, str(other)).ppl)
+    assert report.worst[second] == max(report.ratios[second], key=report.ratios[second].get)

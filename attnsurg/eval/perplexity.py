@@ -23,8 +23,9 @@ from attnsurg import ui
 from attnsurg.data import Text, load_text
 from attnsurg.errors import UserError
 from attnsurg.eval.windows import Window, count_words, plan_windows, scored_text
+from attnsurg.eval.loading import check_models_exist, load_for_eval
 from attnsurg.info import inspect_model
-from attnsurg.io.load import load_model, load_tokenizer, resolve_device, resolve_dtype
+from attnsurg.io.load import load_tokenizer
 from attnsurg.recipe import ModelRef, PerplexityEval, TextData
 
 
@@ -49,6 +50,7 @@ class Score:
 @dataclass
 class ModelResult:
     model: str
+    text: str
     model_type: str
     dtype: str
     device: str
@@ -73,16 +75,24 @@ class ModelResult:
 
 @dataclass
 class PerplexityReport:
+    """One row per model and text (model-major); ``ratios`` and ``worst`` sum up each model across texts."""
+
     text: str
     part: str
     max_length: int
     stride: int
     max_tokens: int | None
+    texts: list[str] = field(default_factory=list)
     results: list[ModelResult] = field(default_factory=list)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+    worst: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def row(self, model: str, text: str) -> ModelResult:
+        return next(r for r in self.results if r.model == model and r.text == text)
 
 
 def tokenize(tokenizer, text: str, max_tokens: int | None) -> Tokens:
@@ -175,41 +185,56 @@ def plan_for(request: PerplexityEval, tokens: Tokens, text: Text) -> list[Window
     return plan_windows(len(tokens.ids), request.max_length, request.effective_stride)
 
 
-def evaluate_model(model_ref: ModelRef, request: PerplexityEval, text: Text) -> ModelResult:
+@dataclass(frozen=True)
+class PreparedText:
+    text: Text
+    tokens: Tokens
+    windows: list[Window]
+
+
+def prepare_texts(tokenizer, request: PerplexityEval, texts: list[Text]) -> list[PreparedText]:
+    prepared = []
+    for text in texts:
+        tokens = tokenize(tokenizer, text.text, request.max_tokens)
+        prepared.append(PreparedText(text, tokens, plan_for(request, tokens, text)))
+    return prepared
+
+
+def evaluate_model(model_ref: ModelRef, request: PerplexityEval, texts: list[Text]) -> list[ModelResult]:
+    """Score one model on every text (loaded once); the texts are tokenized and planned before loading."""
     source, config, anatomy = inspect_model(model_ref)
     check_window_fits(request, config, model_ref.ref)
-    device = resolve_device(request.device)
-    dtype = resolve_dtype(request.dtype, device, config)
-    tokenizer = load_tokenizer(source, model_ref.trust_remote_code)
-    tokens = tokenize(tokenizer, text.text, request.max_tokens)
-    windows = plan_for(request, tokens, text)
-    with ui.status(f"Loading {model_ref.ref}..."):
-        model = load_model(source, dtype, device, model_ref.trust_remote_code, model_ref.allow_pickle)
-    dtype_name = str(dtype).removeprefix("torch.")
-    score = score_windows(model, tokens.ids, windows, request.batch_size, device, model_ref.ref)
-    recall = loki_recall(model, tokens.ids, windows[0])
-    del model
+    prepared = prepare_texts(load_tokenizer(source, model_ref.trust_remote_code), request, texts)
+    loaded = load_for_eval(model_ref, request.device, request.dtype)
+    model, dtype_name = loaded.model, loaded.dtype_name
+    results = []
+    for item in prepared:
+        label = model_ref.ref if len(prepared) == 1 else f"{model_ref.ref} on {item.text.name}"
+        score = score_windows(model, item.tokens.ids, item.windows, request.batch_size, loaded.device, label)
+        results.append(ModelResult(
+            model=model_ref.ref,
+            text=item.text.name,
+            model_type=anatomy.model_type,
+            dtype=dtype_name,
+            device=str(loaded.device),
+            windows=len(item.windows),
+            tokens_scored=score.tokens,
+            nll=score.nll,
+            ppl=math.exp(score.nll / score.tokens),
+            **text_measures(item.text.text, item.tokens, item.windows, score.nll),
+            kv_values_per_token=anatomy.kv_values_per_token,
+            kv_bytes_per_token=anatomy.kv_bytes_per_token(dtype_name),
+            parameters=anatomy.total_parameters,
+            attention_parameters=anatomy.attention_parameters,
+            seconds=score.seconds,
+            tokens_per_second=score.tokens_fed / score.seconds if score.seconds else float("nan"),
+            tokens_fingerprint=item.tokens.fingerprint,
+            surgery=surgery_settings(config),
+            top_k_recall=loki_recall(model, item.tokens.ids, item.windows[0]),
+        ))
+    del loaded, model
     gc.collect()
-    return ModelResult(
-        model=model_ref.ref,
-        model_type=anatomy.model_type,
-        dtype=dtype_name,
-        device=str(device),
-        windows=len(windows),
-        tokens_scored=score.tokens,
-        nll=score.nll,
-        ppl=math.exp(score.nll / score.tokens),
-        **text_measures(text.text, tokens, windows, score.nll),
-        kv_values_per_token=anatomy.kv_values_per_token,
-        kv_bytes_per_token=anatomy.kv_bytes_per_token(dtype_name),
-        parameters=anatomy.total_parameters,
-        attention_parameters=anatomy.attention_parameters,
-        seconds=score.seconds,
-        tokens_per_second=score.tokens_fed / score.seconds if score.seconds else float("nan"),
-        tokens_fingerprint=tokens.fingerprint,
-        surgery=surgery_settings(config),
-        top_k_recall=recall,
-    )
+    return results
 
 
 def surgery_settings(config) -> str | None:
@@ -254,21 +279,32 @@ def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window])
 
 
 def run_perplexity(request: PerplexityEval) -> PerplexityReport:
-    """Evaluate every model of the request on the same text and windows, one model in memory at a time."""
+    """Evaluate every model of the request on the same texts and windows, one model in memory at a time."""
     set_seed(request.seed)
-    text = load_text(request.data.dataset, request.data.text, request.data.part)
+    check_models_exist(request.models)
+    texts = [load_text(data.dataset, data.text, data.part) for data in request.texts]
     report = PerplexityReport(
-        text=text.name,
-        part=text.part,
+        text=", ".join(t.name for t in texts),
+        part=", ".join(sorted({t.part for t in texts})),
         max_length=request.max_length,
         stride=request.effective_stride,
         max_tokens=request.max_tokens,
+        texts=[t.name for t in texts],
     )
     for model_ref in request.models:
-        report.results.append(evaluate_model(model_ref, request, text))
-    baseline = report.results[0]
-    for result in report.results:
-        result.ratio = result.ppl / baseline.ppl
-    if len({r.tokens_fingerprint for r in report.results}) > 1:
+        report.results.extend(evaluate_model(model_ref, request, texts))
+    add_ratios(report)
+    fingerprints = {t: {r.tokens_fingerprint for r in report.results if r.text == t} for t in report.texts}
+    if any(len(prints) > 1 for prints in fingerprints.values()):
         report.notes.append("models saw different tokens (different tokenizers): compare bits per byte, not token ppl")
     return report
+
+
+def add_ratios(report: PerplexityReport) -> None:
+    """Each row's ppl over the first model's on the same text; per model, the text with the largest ratio."""
+    reference = report.results[0].model
+    for result in report.results:
+        result.ratio = result.ppl / report.row(reference, result.text).ppl
+        report.ratios.setdefault(result.model, {})[result.text] = result.ratio
+    for model, ratios in report.ratios.items():
+        report.worst[model] = max(ratios, key=ratios.get)

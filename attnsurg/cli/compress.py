@@ -1,0 +1,158 @@
+"""`attnsurg compress`: low-rank, tensor-decomposed or top-k attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from attnsurg.cli.common import (
+    AllowPickle,
+    CalibDataset,
+    CalibSeqLen,
+    CalibText,
+    CalibTokens,
+    DryRun,
+    EvalTokens,
+    JsonFlag,
+    Overwrite,
+    PrintRecipe,
+    Seed,
+    TrustRemoteCode,
+    app,
+    calibration_from,
+    user_errors,
+)
+from attnsurg.cli.report import execute
+from attnsurg.errors import UserError
+
+LOW_RANK_METHODS = ("svd", "asvd", "svdllm")
+TENSOR_METHODS = ("tucker", "cp")
+SPARSE_METHODS = ("loki",)
+
+
+@app.command()
+@user_errors
+def compress(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
+    method: Annotated[
+        str, typer.Option("--method", "-m", help="svd, asvd, svdllm (low rank), tucker, cp (tensor) or loki (top-k).")
+    ] = "svdllm",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
+    targets: Annotated[str, typer.Option("--targets", help="Projections to factorize, comma-separated from q,k,v,o.")] = "q,k,v,o",
+    ratio: Annotated[
+        Optional[float],
+        typer.Option("--ratio", help="Fraction of the targeted projections' parameters kept, in (0, 1]; "
+                     "with --kv-latent, the fraction of the KV cache kept."),
+    ] = None,
+    rank: Annotated[
+        Optional[int], typer.Option("--rank", help="One rank for every targeted projection (low rank, cp; instead of --ratio).")
+    ] = None,
+    ranks: Annotated[
+        Optional[str], typer.Option("--ranks", help="Tucker mode ranks heads,head_dim,hidden; with --stacked head_dim,hidden (instead of --ratio).")
+    ] = None,
+    top_k: Annotated[
+        Optional[str], typer.Option("--top-k", help="Loki: keys kept per query, a count (64) or a fraction of the context (0.25, 1/4).")
+    ] = None,
+    basis: Annotated[str, typer.Option("--basis", help="Loki: PCA of post-rope (default) or pre-rope keys.")] = "post-rope",
+    variance: Annotated[
+        Optional[float],
+        typer.Option("--variance", help="Loki: per-layer ranks keeping this share of the key variance (instead of --rank)."),
+    ] = None,
+    kv_latent: Annotated[
+        bool, typer.Option("--kv-latent", help="k and v share one cached latent per layer (a real KV-cache saving; --targets k,v).")
+    ] = False,
+    allocate: Annotated[
+        bool, typer.Option("--allocate", help="Spread the budget over layers and projections by truncation energy, not uniformly.")
+    ] = False,
+    weighted: Annotated[
+        Optional[bool],
+        typer.Option("--weighted/--unweighted", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm, tucker, cp."),
+    ] = None,
+    stacked: Annotated[
+        bool, typer.Option("--stacked", help="Tucker: q, k, v, o of a layer in one decomposition, factors shared "
+                           "across heads and projections (TensorLLM); --ranks head_dim,hidden.")
+    ] = False,
+    calib_dataset: CalibDataset = "wiki-sample",
+    calib_text: CalibText = None,
+    calib_tokens: CalibTokens = 4096,
+    calib_seq_len: CalibSeqLen = 512,
+    eval_tokens: EvalTokens = 2048,
+    dry_run: DryRun = False,
+    print_recipe: PrintRecipe = False,
+    overwrite: Overwrite = False,
+    seed: Seed = 0,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Compress attention projections (low rank or tensor-decomposed) and write a new checkpoint."""
+    from attnsurg.methods.lowrank import parse_targets
+    from attnsurg.recipe import (
+        CompressHeadTensor,
+        CompressLoki,
+        CompressLowRank,
+        ModelRef,
+        Recipe,
+    )
+
+    methods = LOW_RANK_METHODS + TENSOR_METHODS + SPARSE_METHODS
+    if method not in methods:
+        raise UserError(f"--method {method} is not available; choose from {', '.join(methods)}")
+    if output is None and not dry_run:
+        raise UserError("missing --output/-o: the directory to write the compressed checkpoint to")
+    common = dict(
+        model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
+        output=output or Path("OUT"),  # a dry run writes nothing
+        method=method,
+        targets=parse_targets(targets),
+        ratio=ratio,
+        calibration=calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len),
+        eval_tokens=eval_tokens,
+        overwrite=overwrite,
+        seed=seed,
+    )
+    if method in SPARSE_METHODS:
+        from attnsurg.methods.loki import parse_top_k
+
+        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--ratio": ratio is not None, "--stacked": stacked,
+                                "--ranks": ranks is not None, "--targets": targets != "q,k,v,o",
+                                "--weighted/--unweighted": weighted is not None})
+        common.pop("targets"), common.pop("ratio")
+        parsed = parse_top_k(top_k) if top_k is not None else None
+        request = CompressLoki(**common, rank=rank, variance=variance, top_k=parsed, basis=basis)
+        execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)
+        return
+    if top_k is not None or basis != "post-rope" or variance is not None:
+        raise UserError(f"--top-k, --basis and --variance are for --method loki, not {method}")
+    if method in TENSOR_METHODS:
+        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--stacked": stacked and method != "tucker"})
+        if method == "tucker" and rank is not None:
+            modes = "head_dim,hidden (e.g. --ranks 64,200)" if stacked else "heads,head_dim,hidden (e.g. --ranks 9,48,160)"
+            raise UserError(f"tucker takes one rank per mode: --ranks {modes}")
+        if method == "cp" and ranks is not None:
+            raise UserError("cp takes a single rank: --rank R")
+        mode_ranks = parse_ranks(ranks) if ranks is not None else (rank,) if rank is not None else None
+        request = CompressHeadTensor(**common, ranks=mode_ranks, weighted=True if weighted is None else weighted,
+                                     stacked=stacked)
+    else:
+        reject_options(method, {"--stacked": stacked})
+        if ranks is not None:
+            raise UserError(f"--ranks is for tucker; {method} takes one rank: --rank R")
+        request = CompressLowRank(**common, rank=rank, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
+    execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)
+
+
+
+def reject_options(method: str, given: dict[str, bool]) -> None:
+    used = [flag for flag, on in given.items() if on]
+    if used:
+        raise UserError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to --method {method}")
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--ranks expects comma-separated integers such as 9,48,160, got '{text}'") from None

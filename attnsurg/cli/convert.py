@@ -1,0 +1,94 @@
+"""`attnsurg convert`: GQA/MHA attention to another form (MLA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from attnsurg.cli.common import (
+    AllowPickle,
+    CalibDataset,
+    CalibSeqLen,
+    CalibText,
+    CalibTokens,
+    DryRun,
+    EvalTokens,
+    JsonFlag,
+    Overwrite,
+    PrintRecipe,
+    Seed,
+    TrustRemoteCode,
+    app,
+    calibration_from,
+    user_errors,
+)
+from attnsurg.cli.report import execute
+from attnsurg.errors import UserError
+
+
+@app.command()
+@user_errors
+def convert(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
+    to: Annotated[str, typer.Option("--to", help="Target attention: mla.")] = "mla",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
+    kv_budget: Annotated[
+        Optional[float], typer.Option("--kv-budget", help="Fraction of the original KV cache per token (default 0.5).")
+    ] = None,
+    kv_rank: Annotated[Optional[int], typer.Option("--kv-rank", help="Latent rank (instead of --kv-budget).")] = None,
+    rope_dim: Annotated[Optional[int], typer.Option("--rope-dim", help="Dims of the shared RoPE key (even, <= head dim).")] = None,
+    rope_layout: Annotated[
+        str,
+        typer.Option("--rope-layout", help="standard (every engine) or flexible (any frequency, repeats; transformers only)."),
+    ] = "standard",
+    calib_dataset: CalibDataset = "wiki-sample",
+    calib_text: CalibText = None,
+    calib_tokens: CalibTokens = 4096,
+    calib_seq_len: CalibSeqLen = 512,
+    unweighted: Annotated[bool, typer.Option("--unweighted", help="Plain PCA for the latent (no consumer weighting).")] = False,
+    refine_steps: Annotated[
+        int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of one calibration window each) against the original layer's output (0: closed form only).")
+    ] = 40,
+    refine_tokens: Annotated[
+        Optional[int], typer.Option("--refine-tokens", help="Calibration tokens used for refinement [default: the first 2048].")
+    ] = None,
+    refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate (the peak, with cosine).")] = 1e-3,
+    refine_schedule: Annotated[
+        str, typer.Option("--refine-schedule", help="constant, or cosine (decays to a tenth; pays on long refinements).")
+    ] = "constant",
+    eval_tokens: EvalTokens = 2048,
+    dry_run: DryRun = False,
+    print_recipe: PrintRecipe = False,
+    overwrite: Overwrite = False,
+    seed: Seed = 0,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Convert attention to another form and write a new checkpoint (GQA/MHA -> MLA)."""
+    from attnsurg.recipe import ConvertMLA, ModelRef, Recipe
+
+    if to != "mla":
+        raise UserError(f"--to {to} is not supported; available: mla")
+    if output is None and not dry_run:
+        raise UserError("missing --output/-o: the directory to write the converted checkpoint to")
+    request = ConvertMLA(
+        model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
+        output=output or Path("OUT"),  # a dry run writes nothing
+        kv_budget=kv_budget,
+        kv_rank=kv_rank,
+        rope_dim=rope_dim,
+        rope_layout=rope_layout,
+        weighted=not unweighted,
+        refine_steps=refine_steps,
+        refine_tokens=refine_tokens,
+        refine_lr=refine_lr,
+        refine_schedule=refine_schedule,
+        calibration=calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len),
+        eval_tokens=eval_tokens,
+        overwrite=overwrite,
+        seed=seed,
+    )
+    execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)

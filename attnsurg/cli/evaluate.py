@@ -1,0 +1,282 @@
+"""`attnsurg eval ...`: measure models side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from attnsurg.cli.common import (
+    AllowPickle,
+    JsonFlag,
+    TrustRemoteCode,
+    eval_app,
+    out,
+    user_errors,
+)
+from attnsurg.errors import UserError
+
+
+@eval_app.command("perplexity")
+@user_errors
+def eval_perplexity(
+    models: Annotated[list[str], typer.Argument(help="One or more models; the first is the reference for ratios.")],
+    text: Annotated[Optional[Path], typer.Option("--text", help="A UTF-8 text file to evaluate on (used whole).")] = None,
+    dataset: Annotated[
+        Optional[str],
+        typer.Option("--dataset", help="Built-in texts, comma-separated: wiki-sample (default), c4-sample, code-sample, "
+                     "technical-sample, multilingual-sample, stories-sample, wikitext2; 'all' for the six samples."),
+    ] = None,
+    max_length: Annotated[int, typer.Option("--max-length", help="Window length in tokens.")] = 1024,
+    stride: Annotated[
+        Optional[int], typer.Option("--stride", help="Window step; default = max-length (disjoint windows).")
+    ] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Use only the first N tokens.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")] = 1,
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Perplexity (token, word, bits per byte) and cost of one or more models on the same windows; with
+    several texts, a model x text table of ratios to the first model with each model's worst text marked."""
+    from attnsurg.data import parse_datasets
+    from attnsurg.eval.perplexity import run_perplexity
+    from attnsurg.recipe import ModelRef, PerplexityEval, TextData
+
+    if text and dataset:
+        raise UserError("pass either --dataset or --text, not both")
+    texts = [TextData(text=text, part="eval")] if text else [TextData(dataset=d) for d in parse_datasets(dataset or "wiki-sample")]
+    request = PerplexityEval(
+        models=[ModelRef(ref=m, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle) for m in models],
+        data=texts[0],
+        more_data=texts[1:],
+        max_length=max_length,
+        stride=stride,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
+    report = run_perplexity(request)
+    if json_output:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    out.print(perplexity_table(report) if len(report.texts) == 1 else domain_table(report))
+    for r in report.results:
+        if r.surgery and r.text == report.texts[0]:
+            recall = f"; top-k recall {r.top_k_recall:.3f} on the first window" if r.top_k_recall is not None else ""
+            out.print(f"{r.model}: {r.surgery}{recall}", highlight=False)
+    for note in report.notes:
+        out.print(f"[yellow]note:[/] {note}")
+
+
+def _optional(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def perplexity_table(report) -> Table:
+    where = f"{report.text} ({report.part})"
+    stride = "disjoint" if report.stride == report.max_length else f"stride {report.stride}"
+    title = f"Perplexity on {where}, windows of {report.max_length} tokens, {stride}"
+    table = Table(title=title, title_justify="left")
+    for column in ("model", "ppl", "ratio", "word ppl", "bits/byte", "tokens", "KV B/token", "params (attn)", "tok/s"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for r in report.results:
+        table.add_row(
+            f"{escape(r.model)}\n[dim]{r.model_type}, {r.dtype}, {r.device}[/]",
+            f"{r.ppl:.4f}",
+            f"{r.ratio:.4f}",
+            _optional(r.word_ppl, ".3f"),
+            _optional(r.bits_per_byte, ".4f"),
+            f"{r.tokens_scored:,}",
+            f"{r.kv_bytes_per_token:,}",
+            f"{r.parameters / 1e6:.1f}M ({r.attention_parameters / 1e6:.1f}M)",
+            f"{r.tokens_per_second:,.0f}",
+        )
+    return table
+
+
+def domain_table(report) -> Table:
+    """Model x text: ppl and ratio to the first model; each model's worst text in bold red."""
+    stride = "disjoint" if report.stride == report.max_length else f"stride {report.stride}"
+    tokens = f", first {report.max_tokens:,} tokens of each" if report.max_tokens else ""
+    title = (f"Perplexity ratio to the first model on the evaluation part of each text{tokens}, windows of "
+             f"{report.max_length} tokens, {stride}; worst text in red")
+    table = Table(title=title, title_justify="left")
+    table.add_column("model")
+    for text in report.texts:
+        table.add_column(text.removesuffix("-sample"), justify="right")
+    table.add_column("worst", justify="right")
+    for model, ratios in report.ratios.items():
+        first = report.row(model, report.texts[0])
+        cells = []
+        for text in report.texts:
+            r = report.row(model, text)
+            cell = f"{r.ppl:.3f}" if model == report.results[0].model else f"x{r.ratio:.3f}\n[dim]{r.ppl:.3f}[/]"
+            cells.append(f"[bold red]{cell}[/]" if text == report.worst[model] and len(ratios) > 1 and r.ratio != 1.0 else cell)
+        worst = report.worst[model]
+        cells.append("-" if model == report.results[0].model else f"x{ratios[worst]:.3f} {worst.removesuffix('-sample')}")
+        table.add_row(f"{escape(model)}\n[dim]{first.model_type}, {first.dtype}, KV {first.kv_bytes_per_token:,} B/token[/]",
+                      *cells)
+    return table
+
+
+# ------------------------------------------------------------------------------------------ eval tasks
+@eval_app.command("tasks")
+@user_errors
+def eval_tasks(
+    models: Annotated[list[str], typer.Argument(help="One or more models; the first is the reference for 'retained'.")],
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated: facts, cloze, passkey.")] = "facts,cloze,passkey",
+    limit: Annotated[Optional[int], typer.Option("--limit", help="At most N items per task (facts, cloze); default all.")] = None,
+    passkey_lengths: Annotated[
+        Optional[str], typer.Option("--passkey-lengths", help="Prompt lengths in tokens, e.g. 512,2048 [default: 512, 1024, ... up to the model's context].")
+    ] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Zero-shot tasks scored as lm-evaluation-harness scores them: facts (4-way choice and greedy answer),
+    cloze (last word of a passage), passkey (retrieval from long filler); with the share of the first
+    model's right answers each other model keeps."""
+    from attnsurg.eval.tasks import parse_tasks, run_tasks
+    from attnsurg.recipe import ModelRef, TasksEval
+
+    request = TasksEval(
+        models=[ModelRef(ref=m, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle) for m in models],
+        tasks=parse_tasks(tasks),
+        limit=limit,
+        passkey_lengths=parse_int_list(passkey_lengths, "--passkey-lengths") if passkey_lengths else None,
+        dtype=dtype,
+        device=device,
+    )
+    report = run_tasks(request)
+    if json_output:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    out.print(tasks_table(report))
+    if "passkey" in report.tasks:
+        out.print(passkey_table(report))
+
+
+def parse_int_list(value: str, flag: str) -> list[int]:
+    try:
+        return [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{flag} expects comma-separated integers such as 1024,4096, got '{value}'") from None
+
+
+TASK_COLUMNS = {  # (task, metric) -> column title
+    ("facts", "choice_acc"): "facts 4-way",
+    ("facts", "greedy_acc"): "facts greedy",
+    ("cloze", "acc"): "cloze acc",
+    ("cloze", "ppl"): "cloze ppl",
+    ("passkey", "acc"): "passkey",
+}
+
+
+def task_cell(model, task: str, metric: str, first: bool) -> str:
+    result = model.results.get(task)
+    if result is None:
+        return "-"
+    value = result.metrics[metric]
+    cell = f"{value:.2f}" if metric == "ppl" else f"{value:.3f}"
+    kept = model.retained.get(task, {}).get(metric)
+    return cell if first or kept is None else f"{cell}\n[dim]keeps {kept:.3f}[/]"
+
+
+def tasks_table(report) -> Table:
+    columns = [(t, m) for (t, m) in TASK_COLUMNS if t in report.tasks]
+    items = ", ".join(f"{t} {int(report.models[0].results[t].metrics['items'])}" for t in report.tasks)
+    table = Table(title=f"Zero-shot tasks ({items} items); 'keeps': share of the first model's right answers kept",
+                  title_justify="left")
+    table.add_column("model")
+    for column in columns:
+        table.add_column(TASK_COLUMNS[column], justify="right")
+    table.add_column("seconds", justify="right")
+    for index, model in enumerate(report.models):
+        seconds = sum(r.seconds for r in model.results.values())
+        table.add_row(f"{escape(model.model)}\n[dim]{model.model_type}, {model.dtype}, {model.device}[/]",
+                      *(task_cell(model, t, m, index == 0) for t, m in columns), f"{seconds:.0f}")
+    return table
+
+
+def passkey_table(report) -> Table:
+    lengths = list(report.models[0].results["passkey"].details["acc_by_length"])
+    table = Table(title="Passkey retrieval by prompt length (5 depths each)", title_justify="left")
+    table.add_column("model")
+    for length in lengths:
+        table.add_column(f"{int(length):,}", justify="right")
+    for model in report.models:
+        by_length = model.results["passkey"].details["acc_by_length"]
+        table.add_row(escape(model.model), *(f"{by_length[n]:.1f}" for n in lengths))
+    return table
+
+
+# ------------------------------------------------------------------------------------------ eval speed
+@eval_app.command("speed")
+@user_errors
+def eval_speed(
+    models: Annotated[list[str], typer.Argument(help="One or more models; the first is the reference for ratios.")],
+    context: Annotated[str, typer.Option("--context", help="Prompt lengths in tokens, comma-separated.")] = "1024,4096",
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Greedy decode steps after each prefill.")] = 64,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed repetitions (medians are reported).")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs before the timed ones, per context.")] = 1,
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 0,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Prefill and decode tokens/s, the KV cache each model really holds, and peak memory, side by side."""
+    from attnsurg.eval.speed import run_speed
+    from attnsurg.recipe import ModelRef, SpeedEval
+
+    request = SpeedEval(
+        models=[ModelRef(ref=m, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle) for m in models],
+        contexts=parse_int_list(context, "--context"),
+        new_tokens=new_tokens,
+        repeats=repeats,
+        warmup=warmup,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
+    report = run_speed(request)
+    if json_output:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    out.print(speed_table(report))
+
+
+def speed_table(report) -> Table:
+    title = (f"Speed: prefill, then {report.new_tokens} greedy decode steps; medians of {report.repeats}; "
+             f"ratios to the first model; memory: {report.memory_note}")
+    table = Table(title=title, title_justify="left")
+    for column in ("model", "context", "prefill tok/s", "decode tok/s", "KV cache held", "KV B/token (config)", "peak memory"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for index, model in enumerate(report.models):
+        for c in model.contexts:
+            ratio = model.ratios[str(c.context)]
+            show = index > 0
+            peak = "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.2f} GiB"
+            table.add_row(
+                f"{escape(model.model)}\n[dim]{model.model_type}, {model.dtype}, {model.device}[/]" if c is model.contexts[0] else "",
+                f"{c.context:,}",
+                f"{c.prefill_tokens_per_second:,.0f}" + (f" (x{ratio['prefill']:.2f})" if show else ""),
+                f"{c.decode_tokens_per_second:,.1f}" + (f" (x{ratio['decode']:.2f})" if show else ""),
+                f"{c.kv_cache_bytes / 2**20:,.1f} MiB" + (f" (x{ratio['kv_cache']:.3f})" if show else ""),
+                f"{c.kv_bytes_per_token:,.0f} ({model.predicted_kv_bytes_per_token:,})",
+                peak,
+            )
+    return table

@@ -1,0 +1,111 @@
+"""`attnsurg info`: the attention anatomy of a model."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from attnsurg.cli.common import (
+    AllowPickle,
+    JsonFlag,
+    TrustRemoteCode,
+    app,
+    out,
+    user_errors,
+)
+
+
+@app.command()
+@user_errors
+def info(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Print a model's attention anatomy and which attnsurg methods support it."""
+    from attnsurg.info import describe
+    from attnsurg.recipe import InfoRequest, ModelRef
+
+    request = InfoRequest(model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle))
+    record = describe(request)
+    if json_output:
+        print(json.dumps(record, indent=2))
+    else:
+        out.print(info_table(record))
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def info_table(record: dict) -> Table:
+    a = record["anatomy"]
+    table = Table(title=f"{record['model']}: attention anatomy", show_header=False, title_justify="left")
+    table.add_column("property", style="bold")
+    table.add_column("value")
+    rows = [
+        ("family (model_type)", f"{a['model_type']}" + ("" if a["family"] else "  [yellow](no surgery support)[/]")),
+        ("attention", a["attention_kind"].upper()),
+        ("layers", str(a["num_layers"])),
+        ("hidden size", str(a["hidden_size"])),
+        ("query heads", str(a["num_heads"])),
+        ("KV heads", str(a["num_kv_heads"])),
+        ("head dim", str(a["head_dim"])),
+    ]
+    if a["mla"]:
+        rows += [(k.replace("_", " "), str(v)) for k, v in a["mla"].items()]
+    rope = f"{a['rope_type']}, theta {a['rope_theta']:g}" if a["rope_theta"] is not None else "none"
+    biases = ", ".join(n for n in "qkvo" if a[f"{n}_bias"]) or "none"
+    window = f"{a['sliding_window']} tokens on {a['sliding_layers']} layers" if a["sliding_window"] else "none"
+    attn_share = a["attention_parameters"] / a["total_parameters"]
+    rows += [
+        ("RoPE", rope),
+        ("biases", biases),
+        ("q/k norms", _yes_no(a["qk_norm"])),
+        ("sliding window", window),
+        ("max positions", str(a["max_positions"])),
+        ("tied embeddings", _yes_no(a["tied_embeddings"])),
+        ("parameters (attention / total)", f"{a['attention_parameters']:,} / {a['total_parameters']:,} ({attn_share:.1%})"),
+        ("KV values per token", f"{a['kv_values_per_token']:,} ("
+         + ("mean " if len(set(a["kv_layer_values"])) > 1 else "") + f"{a['kv_values_per_layer']} per layer)"),
+        (f"KV bytes per token ({a['dtype']})", f"{a['kv_bytes_per_token']:,}"),
+        ("KV bytes per token (bfloat16)", f"{a['kv_bytes_per_token_bf16']:,}"),
+        ("methods", methods_cell(record["methods"])),
+    ]
+    if a["surgery"]:
+        rows.insert(-1, ("surgery", surgery_cell(a["surgery"])))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def headline_rank(value) -> int:
+    """One number per record entry: a rank, the sum of cached k/v ranks, or a tensor's hidden rank."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, list):
+        return sum(value)
+    return value["rank"] if "rank" in value else value["ranks"][-1]
+
+
+def surgery_cell(surgery: dict) -> str:
+    """What attnsurg did to a checkpoint it wrote: method and the spread of ranks."""
+    lines = [f"{surgery.get('method', '?')}" + (", consumer-weighted" if surgery.get("weighted") else "")]
+    for key, label in (("low_rank", "low-rank projections"), ("kv_latent", "k/v latent layers"),
+                       ("head_tensor", "tensor-decomposed projections"), ("factored_kv", "layers caching k/v factors"),
+                       ("stacked_tucker", "stacked Tucker layers")):
+        ranks = [headline_rank(value) for value in (surgery.get(key) or {}).values()]
+        if ranks:
+            spread = str(ranks[0]) if min(ranks) == max(ranks) else f"{min(ranks)}-{max(ranks)}"
+            lines.append(f"{len(ranks)} {label}, rank {spread}")
+    return "\n".join(lines)
+
+
+def methods_cell(methods: dict[str, str | None]) -> str:
+    if not methods:
+        return "none installed"
+    return "\n".join(f"{n}: " + ("[green]yes[/]" if why is None else f"[yellow]no[/] ({why})") for n, why in methods.items())

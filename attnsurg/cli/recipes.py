@@ -1,0 +1,102 @@
+"""`attnsurg run` and `attnsurg recipe ...`: YAML recipes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from attnsurg.cli.common import (
+    AllowPickle,
+    DryRun,
+    JsonFlag,
+    Overwrite,
+    TrustRemoteCode,
+    app,
+    out,
+    recipe_app,
+    user_errors,
+)
+from attnsurg.cli.report import execute
+
+
+@app.command()
+@user_errors
+def run(
+    recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file, or a shipped recipe's name (see `attnsurg recipe list`).")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of the recipe's output.")] = None,
+    dry_run: DryRun = False,
+    overwrite: Overwrite = False,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Run a YAML recipe: surgery, optional healing, evaluation, checkpoint."""
+    from attnsurg.io.recipe_file import load_recipe
+    from attnsurg.run import check_permissions
+
+    recipe = load_recipe(recipe_path)
+    if output is not None:
+        recipe = recipe.model_copy(update={"output": output})
+    check_permissions(recipe, trust_remote_code, allow_pickle)
+    execute(recipe, dry_run, overwrite, print_recipe=False, json_output=json_output)
+
+
+
+@recipe_app.command("validate")
+@user_errors
+def recipe_validate(
+    paths: Annotated[list[Path], typer.Argument(metavar="RECIPE...", help="Recipe files or shipped names.")],
+) -> None:
+    """Check recipes against the schema (unknown keys, types, methods) without running them."""
+    from attnsurg.io.recipe_file import load_recipe, resolve_recipe
+
+    for path in paths:
+        recipe = load_recipe(path)
+        kinds = " -> ".join(recipe_step_label(step) for step in recipe.steps)
+        out.print(f"{resolve_recipe(path)}: ok ({recipe.model.ref}: {kinds} -> {recipe.output})", highlight=False)
+
+
+def recipe_step_label(step) -> str:
+    from attnsurg.recipe import step_kind
+
+    kind = step_kind(step)
+    settings = getattr(step, kind)
+    if kind == "convert":
+        budget = f"kv_budget {settings.kv_budget}" if settings.kv_budget is not None else f"kv_rank {settings.kv_rank}"
+        return f"convert to mla ({budget})"
+    if kind == "compress":
+        budget = {name: getattr(settings, name, None) for name in ("ratio", "rank", "ranks", "top_k")}
+        shown = ", ".join(f"{name} {value}" for name, value in budget.items() if value is not None)
+        latent = ", k/v latent" if getattr(settings, "kv_latent", False) else ""
+        latent += ", stacked q,k,v,o" if getattr(settings, "stacked", False) else ""
+        return f"compress {settings.method} ({shown or 'default budget'}{latent})"
+    return f"heal ({settings.tokens:,} tokens)"
+
+
+@recipe_app.command("list")
+@user_errors
+def recipe_list(json_output: JsonFlag = False) -> None:
+    """The recipes that ship in recipes/: name, what they do, and their steps."""
+    from attnsurg.io.recipe_file import SHIPPED_DIR, load_recipe, shipped_recipes
+
+    rows = []
+    for path in shipped_recipes():
+        recipe = load_recipe(path)
+        rows.append({"name": path.stem, "description": recipe.description, "model": recipe.model.ref,
+                     "steps": " -> ".join(recipe_step_label(step) for step in recipe.steps), "path": str(path)})
+    if json_output:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        out.print(f"no shipped recipes found in {SHIPPED_DIR}")
+        return
+    table = Table(title=f"Shipped recipes ({SHIPPED_DIR}); run one with `attnsurg run NAME -o OUT`", title_justify="left")
+    for column in ("name", "description", "model", "steps"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], row["description"], row["model"], row["steps"])
+    out.print(table)

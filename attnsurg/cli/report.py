@@ -1,0 +1,202 @@
+"""Running a recipe from a command, and printing what the surgery reports."""
+
+from __future__ import annotations
+
+import json
+
+from rich.table import Table
+
+from attnsurg.cli.common import out
+from attnsurg.errors import UserError
+
+
+def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_output: bool) -> None:
+    """Run a recipe (what every surgery command does) and print its report."""
+    from attnsurg.io.recipe_file import dump_recipe
+    from attnsurg.pipeline import is_main_process
+    from attnsurg.run import run_recipe
+
+    if print_recipe and json_output:
+        raise UserError("--print-recipe and --json both write to stdout; pass one of them")
+    if print_recipe:
+        print(dump_recipe(recipe), end="")
+        if dry_run:
+            return
+    report = run_recipe(recipe, dry_run=dry_run, overwrite=overwrite)
+    if is_main_process():  # under `accelerate launch` the main process reports
+        print_report(recipe, report, dry_run, json_output)
+
+
+def print_report(recipe, report, dry_run: bool, json_output: bool) -> None:
+    from attnsurg.convert import ConvertReport
+    from attnsurg.methods.loki import LokiPlan
+    from attnsurg.run import HealRunReport
+
+    model = recipe.model.ref
+    if isinstance(report, ConvertReport):
+        print_convert_report(model, report, json_output)
+    elif isinstance(report, HealRunReport):
+        print_heal_report(recipe, report, dry_run, json_output)
+    elif isinstance(report.plan, LokiPlan):
+        print_loki_report(model, report, json_output)
+    else:
+        print_compress_report(model, report, dry_run, json_output)
+
+
+def print_convert_report(model: str, report, json_output: bool) -> None:
+    from attnsurg.convert import plan_rows
+
+    rows = plan_rows(report.plan, report.anatomy)
+    if json_output:
+        record = {"plan": rows, "written": report.written, "seconds": report.seconds, "convert_seconds": report.convert_seconds,
+                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+                  "layer_errors": report.layer_errors, "heal": heal_record(report.heal)}
+        print(json.dumps(record, indent=2))
+        return
+    title = f"MLA plan for {model}, {report.plan.layout} RoPE layout (identical in every layer)"
+    table = Table(title=title, title_justify="left")
+    for column in ("layers", "latent rank", "RoPE dims", "qk nope dim", "KV values/token", "attention params/layer"):
+        table.add_column(column, justify="right")
+    r = rows[0]
+    table.add_row(
+        f"0-{len(rows) - 1}", f"{r['latent_rank']} + 1 norm", str(r["rope_dims"]), str(r["qk_nope_dim"]),
+        f"{r['kv_values_before']} -> {r['kv_values_after']}", f"{r['attention_params_before']:,} -> {r['attention_params_after']:,}",
+    )
+    out.print(table)
+    if report.written:
+        out.print(f"wrote {report.written} in {report.seconds:.1f} s (conversion {report.convert_seconds:.1f} s, "
+                  f"calibration included), peak memory {report.peak_memory_gb:.2f} GB")
+    if report.mean_layer_error:
+        before, after = report.mean_layer_error
+        out.print(f"mean relative layer error against the original residual stream: {before:.4f} -> {after:.4f} (refinement)")
+    print_heal_summary(report.heal)
+    print_ppl(report)
+
+
+def print_ppl(report) -> None:
+    if report.ppl_before is None:
+        return
+    start = getattr(getattr(report, "heal", None), "ppl_start", None)
+    surgery = f"{start:.3f} (x{start / report.ppl_before:.3f}) after the surgery, " if start is not None else ""
+    healed = " after healing" if surgery else ""
+    out.print(f"ppl {report.ppl_before:.3f} -> {surgery}{report.ppl_after:.3f}{healed} (x{report.ppl_after / report.ppl_before:.3f})")
+
+
+def heal_record(heal) -> dict | None:
+    if heal is None:
+        return None
+    return {"steps": heal.steps, "tokens": heal.tokens, "resumed_from": heal.resumed_from, "seconds": heal.seconds,
+            "tokens_per_second": heal.tokens_per_second, "trainable_parameters": heal.trainable_parameters,
+            "losses": heal.losses, "evals": heal.evals, "ppl_start": heal.ppl_start}
+
+
+def print_heal_summary(heal) -> None:
+    if heal is None:
+        return
+    first, last = heal.losses[0][1] if heal.losses else float("nan"), heal.losses[-1][1] if heal.losses else float("nan")
+    resumed = f", resumed from step {heal.resumed_from}" if heal.resumed_from else ""
+    out.print(f"healed {heal.steps} steps ({heal.tokens:,} tokens{resumed}) in {heal.seconds:.1f} s, "
+              f"{heal.tokens_per_second:,.0f} tokens/s, {heal.trainable_parameters:,} trainable parameters; "
+              f"distillation loss {first:.4f} -> {last:.4f}")
+
+
+def print_compress_report(model: str, report, dry_run: bool, json_output: bool) -> None:
+    from attnsurg.compress import projection_flops, rank_rows
+
+    plan = report.plan
+    rows = rank_rows(plan)
+    flops = projection_flops(plan)
+    if json_output:
+        record = {"plan": rank_rows(plan, labels=False), "kept_fraction": plan.kept_fraction, "params": [plan.params_before(), plan.params_after()],
+                  "projection_flops_per_token": list(flops), "kv_values_per_token": [report.anatomy.kv_values_per_token, plan.kv_values_after()],
+                  "written": report.written, "seconds": report.seconds, "factorize_seconds": report.factorize_seconds,
+                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+                  "heal": heal_record(report.heal)}
+        print(json.dumps(record, indent=2))
+        return
+    out.print(lowrank_plan_table(model, plan, rows, dry_run))
+    budget = "KV cache" if plan.kv_latent else "targeted parameters"
+    out.print(
+        f"kept {plan.kept_fraction:.3f} of the {budget}; projection params {plan.params_before():,} -> {plan.params_after():,}, "
+        f"FLOPs/token {flops[0]:,} -> {flops[1]:,}; KV values/token {report.anatomy.kv_values_per_token:,} -> {plan.kv_values_after():,}"
+    )
+    if report.written:
+        out.print(f"wrote {report.written} in {report.seconds:.1f} s (factorization {report.factorize_seconds:.1f} s), "
+                  f"peak memory {report.peak_memory_gb:.2f} GB")
+    print_heal_summary(report.heal)
+    print_ppl(report)
+
+
+def print_loki_report(model: str, report, json_output: bool) -> None:
+    plan = report.plan
+    record = {"rank": plan.rank, "ranks": plan.layer_ranks(), "variance": plan.variance, "top_k": plan.top_k,
+              "basis": plan.basis, "written": report.written,
+              "seconds": report.seconds, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+              "heal": heal_record(report.heal)}
+    if json_output:
+        print(json.dumps(record, indent=2))
+        return
+    top_k = f"{plan.top_k:g} of the context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
+    if plan.rank is not None:
+        scoring = f"{plan.rank} of {plan.head_dim} principal coordinates"
+    else:
+        ranks = f"; ranks {plan.rank_label()}" if plan.ranks else " (set after calibration)"
+        scoring = (f"its own rank, the fewest of {plan.head_dim} principal coordinates holding {plan.variance:g} of "
+                   f"the key variance{ranks}")
+    out.print(f"loki plan for {model}: every layer scores keys with {scoring} ({plan.basis} basis) and attends "
+              f"over the top {top_k}")
+    if report.written:
+        out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
+    print_heal_summary(report.heal)
+    print_ppl(report)
+
+
+
+def lowrank_plan_table(model: str, plan, rows: list[dict], dry_run: bool) -> Table:
+    """Ranks per layer; consecutive layers with the same ranks share one row."""
+    from attnsurg.compress import COLUMN_TITLES, plan_columns
+
+    names = plan_columns(plan)
+    note = ""
+    if dry_run and plan.allocate:
+        note = " (uniform; --allocate redistributes after calibration)"
+    if dry_run and getattr(plan, "choose_ranks", False):
+        note = " (Tucker heads x head_dim x hidden; the split between modes is chosen per projection after calibration)"
+    table = Table(title=f"{plan.method} plan for {model}{note}", title_justify="left")
+    table.add_column("layers", justify="right")
+    for name in names:
+        table.add_column(COLUMN_TITLES[name], justify="right")
+    table.add_column("params/layer", justify="right")
+    groups: list[list[dict]] = []
+    for row in rows:
+        key = [row[n] for n in names]
+        if groups and [groups[-1][0][n] for n in names] == key:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    for group in groups:
+        first, last = group[0], group[-1]
+        span = str(first["layer"]) if first is last else f"{first['layer']}-{last['layer']}"
+        cells = [first[n] for n in names]
+        table.add_row(span, *cells, f"{first['params_before']:,} -> {first['params_after']:,}")
+    return table
+
+
+def print_heal_report(recipe, report, dry_run: bool, json_output: bool) -> None:
+    settings = recipe.heal
+    if json_output:
+        record = {"written": report.written, "seconds": report.seconds, "peak_memory_gb": report.peak_memory_gb,
+                  "ppl_teacher": report.ppl_teacher, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+                  "heal": heal_record(report.heal)}
+        print(json.dumps(record, indent=2))
+        return
+    if dry_run:
+        out.print(f"heal plan: {recipe.model.ref} distilled from {settings.teacher.ref} on {settings.tokens:,} tokens "
+                  f"(windows of {settings.seq_len}, batch {settings.batch_size} x {settings.grad_accum} accumulation, "
+                  f"lr {settings.lr} {settings.schedule}), training {settings.train}; writes {recipe.output}")
+        return
+    out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
+    print_heal_summary(report.heal)
+    if report.ppl_before is not None:
+        out.print(f"ppl teacher {report.ppl_teacher:.3f}; student {report.ppl_before:.3f} -> {report.ppl_after:.3f} "
+                  f"(x{report.ppl_before / report.ppl_teacher:.3f} -> x{report.ppl_after / report.ppl_teacher:.3f} of the teacher)")

@@ -1,0 +1,206 @@
+"""``attnsurg eval speed``: prefill and decode throughput, the KV cache a model really holds, and peak
+memory, every model on the same random token ids, medians over repetitions after a warm-up.
+
+- Prefill: one forward over ``context`` tokens building the cache; tokens/s = context / seconds.
+- Decode: ``new_tokens`` greedy steps on that cache, one token each; tokens/s = new tokens / seconds.
+- KV cache: the bytes of every tensor the cache object holds after decoding, divided by the tokens in it
+  (what the layout really stores, not what the config predicts; the prediction is printed beside it).
+- Peak memory: CUDA's peak allocation, or on Linux CPUs the process's peak resident set (VmHWM), reset
+  before each measurement, so it includes the weights.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnsurg import ui
+from attnsurg.errors import UserError
+from attnsurg.eval.loading import Loaded, check_models_exist, load_for_eval
+from attnsurg.eval.tasks.scoring import cache_argument, keeps_logits, returned_cache
+from attnsurg.recipe import SpeedEval
+
+CLEAR_REFS = Path("/proc/self/clear_refs")
+STATUS = Path("/proc/self/status")
+
+
+@dataclass
+class ContextSpeed:
+    context: int
+    prefill_tokens_per_second: float
+    decode_tokens_per_second: float
+    prefill_seconds: list[float]
+    decode_seconds: list[float]
+    kv_cache_bytes: int
+    kv_bytes_per_token: float
+    peak_memory_bytes: int | None
+
+
+@dataclass
+class ModelSpeed:
+    model: str
+    model_type: str
+    dtype: str
+    device: str
+    predicted_kv_bytes_per_token: int
+    contexts: list[ContextSpeed] = field(default_factory=list)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class SpeedReport:
+    contexts: list[int]
+    new_tokens: int
+    repeats: int
+    models: list[ModelSpeed] = field(default_factory=list)
+    memory_note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tensors_in(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every distinct tensor reachable from a cache object (its layers, lists, dicts and attributes)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        children = list(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("transformers", "attnsurg")):
+        children = list(vars(obj).values())
+    else:
+        return []
+    return [t for child in children for t in tensors_in(child, seen)]
+
+
+def cache_bytes(cache) -> int:
+    storages = {}
+    for tensor in tensors_in(cache):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif CLEAR_REFS.exists():
+        try:
+            CLEAR_REFS.write_text("5")  # resets VmHWM (Linux >= 4.0)
+        except OSError:
+            pass
+
+
+def peak_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if STATUS.exists():
+        found = re.search(r"VmHWM:\s+(\d+) kB", STATUS.read_text())
+        return int(found.group(1)) * 1024 if found else None
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def prefill_and_decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, object]:
+    """Seconds of the prefill, seconds of ``new_tokens`` greedy steps, and the cache at the end."""
+    device = ids.device
+    keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
+    name = cache_argument(model)
+    synchronize(device)
+    start = time.perf_counter()
+    out = model(input_ids=ids, use_cache=True, **keep)
+    synchronize(device)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        token = out.logits[:, -1:].argmax(-1)
+        out = model(input_ids=token, use_cache=True, **{name: returned_cache(out)}, **keep)
+    synchronize(device)
+    return prefill, time.perf_counter() - start, returned_cache(out)
+
+
+def measure_context(loaded: Loaded, context: int, request: SpeedEval) -> ContextSpeed:
+    generator = torch.Generator().manual_seed(request.seed)
+    vocab = loaded.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, context), generator=generator).to(loaded.device)
+    prefills, decodes = [], []
+    peak = None
+    for repeat in range(request.warmup + request.repeats):
+        gc.collect()
+        reset_peak_memory(loaded.device)
+        prefill, decode, cache = prefill_and_decode(loaded.model, ids, request.new_tokens)
+        if repeat >= request.warmup:
+            prefills.append(prefill)
+            decodes.append(decode)
+            peak = max(peak or 0, peak_memory(loaded.device) or 0) or None
+            held = cache_bytes(cache)
+        del cache
+    tokens = context + request.new_tokens
+    return ContextSpeed(
+        context=context,
+        prefill_tokens_per_second=context / statistics.median(prefills),
+        decode_tokens_per_second=request.new_tokens / statistics.median(decodes) if request.new_tokens else float("nan"),
+        prefill_seconds=prefills,
+        decode_seconds=decodes,
+        kv_cache_bytes=held,
+        kv_bytes_per_token=held / tokens,
+        peak_memory_bytes=peak,
+    )
+
+
+def check_contexts(request: SpeedEval, loaded: Loaded) -> None:
+    limit = loaded.max_positions
+    too_long = [c for c in request.contexts if limit and c + request.new_tokens > limit]
+    if too_long:
+        raise UserError(f"context {too_long[0]} + {request.new_tokens} new tokens is beyond '{loaded.ref.ref}' "
+                        f"({limit} positions); use --context up to {limit - request.new_tokens}")
+
+
+def add_ratios(report: SpeedReport) -> None:
+    reference = {c.context: c for c in report.models[0].contexts}
+    for model in report.models:
+        for c in model.contexts:
+            first = reference[c.context]
+            model.ratios[str(c.context)] = {
+                "prefill": c.prefill_tokens_per_second / first.prefill_tokens_per_second,
+                "decode": c.decode_tokens_per_second / first.decode_tokens_per_second,
+                "kv_cache": c.kv_cache_bytes / first.kv_cache_bytes if first.kv_cache_bytes else float("nan"),
+            }
+
+
+def run_speed(request: SpeedEval) -> SpeedReport:
+    check_models_exist(request.models)
+    report = SpeedReport(contexts=list(request.contexts), new_tokens=request.new_tokens, repeats=request.repeats)
+    for ref in request.models:
+        loaded = load_for_eval(ref, request.device, request.dtype)
+        check_contexts(request, loaded)
+        record = ModelSpeed(ref.ref, loaded.anatomy.model_type, loaded.dtype_name, str(loaded.device),
+                            loaded.anatomy.kv_bytes_per_token(loaded.dtype_name))
+        with ui.progress_bar(f"Timing {ref.ref}", total=len(request.contexts), unit="contexts") as advance:
+            for context in request.contexts:
+                record.contexts.append(measure_context(loaded, context, request))
+                advance(1)
+        report.models.append(record)
+        del loaded
+        gc.collect()
+    add_ratios(report)
+    device = torch.device(report.models[0].device)
+    report.memory_note = ("peak CUDA allocation" if device.type == "cuda" else
+                          "peak resident set of the process (VmHWM), weights included")
+    return report

@@ -1,0 +1,122 @@
+"""The two ways lm-evaluation-harness scores a causal LM, for any model that returns ``.logits``.
+
+- Log-likelihood of a continuation given a context (``loglikelihood`` requests): the summed log-probability
+  of the continuation's tokens, and whether each of them is the argmax (``is_greedy``, LAMBADA's accuracy).
+  Context and continuation are split as lm-eval's ``HFLM._encode_pair`` does: trailing spaces of the context
+  move to the continuation, the whole string is encoded, and the continuation is what follows the
+  context's own encoding.
+- Greedy generation (``generate_until``): argmax decoding with the model's KV cache, the path a served
+  model takes.
+
+Sequences are batched only with others of the same length, so no padding can reach a model (exact for any
+attention, Loki's top-k included).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The token ids of a context and of the continuation scored after it."""
+
+    context: list[int]
+    continuation: list[int]
+
+
+@dataclass(frozen=True)
+class Likelihood:
+    logprob: float
+    is_greedy: bool
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> Continuation:
+    """lm-eval's split of ``context + continuation`` into context and continuation tokens."""
+    trailing = len(context) - len(context.rstrip())
+    if trailing:
+        context, continuation = context[:-trailing], context[-trailing:] + continuation
+    whole = encode(tokenizer, context + continuation)
+    context_ids = encode(tokenizer, context)
+    return Continuation(context_ids, whole[len(context_ids) :])
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def keeps_logits(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def same_length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped by equal length (longest first), at most ``batch_size`` per group."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and len(groups[-1]) < batch_size and lengths[groups[-1][0]] == lengths[i]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+@torch.inference_mode()
+def loglikelihoods(model, requests: list[Continuation], max_length: int, batch_size: int = 16) -> list[Likelihood]:
+    """Summed log-probability of each continuation and whether greedy decoding would produce it.
+
+    Inputs longer than ``max_length`` lose tokens from the left, as in lm-eval.
+    """
+    inputs = [(r.context + r.continuation)[-(max_length + 1) :][:-1] for r in requests]
+    results: list[Likelihood | None] = [None] * len(requests)
+    device = model_device(model)
+    keep = keeps_logits(model)
+    for group in same_length_batches([len(x) for x in inputs], batch_size):
+        width = max(len(requests[i].continuation) for i in group)
+        ids = torch.tensor([inputs[i] for i in group], device=device)
+        logits = model(input_ids=ids, use_cache=False, **({"logits_to_keep": width} if keep else {})).logits
+        logprobs = F.log_softmax(logits[:, -width:].float(), dim=-1)
+        for row, i in enumerate(group):
+            target = torch.tensor(requests[i].continuation, device=device)
+            scores = logprobs[row, width - len(target) :]
+            picked = scores.gather(-1, target[:, None]).squeeze(-1)
+            greedy = bool((scores.argmax(-1) == target).all())
+            results[i] = Likelihood(picked.double().sum().item(), greedy)
+    return results  # type: ignore[return-value]
+
+
+def cache_argument(model) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` during 5.x; use the name this model takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    cache = output.get("cache")
+    return cache if cache is not None else output.get("past_key_values")
+
+
+@torch.inference_mode()
+def greedy_generate(model, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
+    """Argmax decoding with the model's own KV cache (prefill once, then one token at a time)."""
+    device = model_device(model)
+    keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
+    name = cache_argument(model)
+    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, **keep)
+    generated: list[int] = []
+    for step in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        if token in stop_ids:
+            break
+        generated.append(token)
+        if step + 1 < max_new_tokens:
+            step_input = torch.tensor([[token]], device=device)
+            out = model(input_ids=step_input, use_cache=True, **{name: returned_cache(out)}, **keep)
+    return generated

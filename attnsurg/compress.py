@@ -41,6 +41,7 @@ class CompressReport:
     peak_memory_gb: float = 0.0
     ppl_before: float | None = None
     ppl_after: float | None = None
+    domains: dict[str, tuple[float, float]] = field(default_factory=dict)  # ppl before/after off the calibration text
     heal: HealReport | None = None
     errors: list[float] = field(default_factory=list)
 

@@ -21,6 +21,7 @@ from attnsurg.io.card import CardInfo
 from attnsurg.io.load import DTYPES, load_model, load_tokenizer
 from attnsurg.io.save import check_output_path, write_checkpoint
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
+from attnsurg.errors import UserError
 from attnsurg.recipe import Calibration, ModelRef, Recipe, TextData
 
 
@@ -51,6 +52,46 @@ def scoring_windows(tokenizer, data: TextData, eval_tokens: int, max_positions: 
     return eval_windows(tokenizer, data.model_copy(update={"part": "eval"}), length, eval_tokens)
 
 
+def domain_texts(calibration: TextData, domains: list[str], eval_tokens: int) -> list[TextData]:
+    """The evaluation domains scored besides the calibration text (its own domain is not repeated)."""
+    return [TextData(dataset=d) for d in domains if d != calibration.dataset] if eval_tokens else []
+
+
+def fetch_domains(texts: list[TextData]) -> None:
+    """Fetch the domains' texts before any heavy work, so a missing one fails in seconds."""
+    from attnsurg.io.assets import ensure_text
+
+    for data in texts:
+        try:
+            ensure_text(data.dataset)
+        except UserError as exc:
+            raise UserError(f"{exc} (evaluation domain {data.dataset}; --eval-domains none skips them)") from None
+
+
+def score_domains(source: PreTrainedModel, result: PreTrainedModel, tokenizer, texts: list[TextData], eval_tokens: int,
+                  max_positions: int | None) -> dict[str, tuple[float, float]]:
+    """ppl of the source and of the result on the first ``eval_tokens`` of each domain's eval part."""
+    scores = {}
+    for data in texts:
+        windows = scoring_windows(tokenizer, data, eval_tokens, max_positions)
+        scores[data.dataset] = (perplexity_of(source, *windows), perplexity_of(result, *windows))
+    return scores
+
+
+def worst_domain(scores: dict[str, tuple[float, float]]) -> str | None:
+    return max(scores, key=lambda d: scores[d][1] / scores[d][0]) if scores else None
+
+
+def domain_rows(scores: dict[str, tuple[float, float]], eval_tokens: int, before: str = "") -> list[dict[str, str]]:
+    """The card's rows for the domains, the worst ratio named in its row (``before``: what the first
+    figure is, when not the source model)."""
+    worst = worst_domain(scores)
+    of = f" of the {before}" if before else ""
+    return [perplexity_row(TextData(dataset=d), eval_tokens, first, after,
+                           f" (x{after / first:.3f}{of}{', the worst domain' if d == worst and len(scores) > 1 else ''})")
+            for d, (first, after) in scores.items()]
+
+
 def to_source_dtype(model: PreTrainedModel, anatomy: AttentionAnatomy) -> PreTrainedModel:
     """Fitted in float64, evaluated in float32, saved in the source's dtype."""
     model.to(DTYPES.get(anatomy.dtype, torch.float32))
@@ -78,6 +119,7 @@ def start_surgery(request, source, anatomy: AttentionAnatomy) -> Surgery:
     """Refuse an existing output first (nothing is loaded for a request that cannot be written), seed, load
     the source and cut the calibration windows."""
     check_output_path(request.output, request.overwrite)
+    fetch_domains(domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens))
     set_seed(request.seed)
     started = time.perf_counter()
     family = family_for_surgery(anatomy.model_type)
@@ -105,13 +147,18 @@ def finish_surgery(
             return
     if held_out is not None:
         report.ppl_before, report.ppl_after = perplexity_of(surgery.model, *held_out), perplexity_of(result, *held_out)
+        domains = domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens)
+        report.domains = score_domains(surgery.model, result, surgery.tokenizer, domains, request.eval_tokens,
+                                       anatomy.max_positions)
     to_source_dtype(result, anatomy)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()
     files = {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})}
     info = card()
     if report.ppl_before is not None:
-        info.figures.append(perplexity_row(request.calibration.data, request.eval_tokens, report.ppl_before, report.ppl_after))
+        info.figures.append(perplexity_row(request.calibration.data, request.eval_tokens, report.ppl_before, report.ppl_after,
+                                           f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))
+        info.figures.extend(domain_rows(report.domains, request.eval_tokens))
     if getattr(report, "heal", None) is not None:
         add_healing(info, report.heal, recipe.heal, report.ppl_before)
     report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, info, request.overwrite, extra_files=files))

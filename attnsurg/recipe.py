@@ -41,6 +41,18 @@ class ModelRef(Strict):
         return handler(self)
 
 
+EVAL_DOMAINS = ("wiki-sample", "c4-sample", "code-sample")
+
+
+def check_domains(domains: list[str]) -> list[str]:
+    from attnsurg.data import DOMAINS
+
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown:
+        raise ValueError(f"unknown evaluation domain '{unknown[0]}'; choose from {', '.join(DOMAINS)}")
+    return list(dict.fromkeys(domains))
+
+
 class TextData(Strict):
     """Text to read: a built-in dataset or a UTF-8 file, and which part of it."""
 
@@ -153,8 +165,14 @@ class SurgeryContext(Strict):
     output: Path
     calibration: Calibration = Calibration()
     eval_tokens: int = Field(2048, ge=0)
+    eval_domains: list[str] = Field(default_factory=lambda: list(EVAL_DOMAINS))
     overwrite: bool = False
     seed: int = 0
+
+    @field_validator("eval_domains")
+    @classmethod
+    def _known_domains(cls, domains: list[str]) -> list[str]:
+        return check_domains(domains)
 
 
 # ------------------------------------------------------------------------- method settings (recipe steps)
@@ -363,9 +381,16 @@ Step = Annotated[
 
 class Evaluation(Strict):
     """Scored after the surgery (and healing): the first ``tokens`` of the eval part of the calibration
-    dataset, source and result on the same windows."""
+    dataset and of each of ``domains`` (built-in texts; the calibration domain alone flatters every method),
+    source and result on the same windows."""
 
     tokens: int = Field(2048, ge=0)
+    domains: list[str] = Field(default_factory=lambda: list(EVAL_DOMAINS))
+
+    @field_validator("domains")
+    @classmethod
+    def _known_domains(cls, domains: list[str]) -> list[str]:
+        return check_domains(domains)
 
 
 class Recipe(Strict):
@@ -418,7 +443,7 @@ class Recipe(Strict):
         if settings is None:
             raise ValueError("this recipe has no convert or compress step")
         context = dict(model=self.model, output=self.output, calibration=self.calibration,
-                       eval_tokens=self.eval.tokens, overwrite=overwrite, seed=self.seed)
+                       eval_tokens=self.eval.tokens, eval_domains=self.eval.domains, overwrite=overwrite, seed=self.seed)
         return REQUEST_FOR[type(settings)](**context, **dict(settings))
 
     @classmethod
@@ -428,4 +453,4 @@ class Recipe(Strict):
         step = ConvertStep(convert=settings) if settings_type is MLASettings else CompressStep(compress=settings)
         steps = [step] + ([HealStep(heal=heal)] if heal else [])
         return cls(model=request.model, output=request.output, steps=steps, calibration=request.calibration,
-                   eval=Evaluation(tokens=request.eval_tokens), seed=request.seed)
+                   eval=Evaluation(tokens=request.eval_tokens, domains=request.eval_domains), seed=request.seed)

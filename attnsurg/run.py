@@ -5,7 +5,7 @@ are one thing."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.errors import UserError
@@ -21,10 +21,14 @@ from attnsurg.pipeline import (
     add_healing,
     base_model_id,
     command_line,
+    domain_rows,
+    domain_texts,
+    fetch_domains,
     is_main_process,
     load_source,
     peak_memory_gb,
     perplexity_row,
+    score_domains,
     scoring_windows,
     to_source_dtype,
 )
@@ -66,6 +70,7 @@ class HealRunReport:
     ppl_teacher: float | None = None
     ppl_before: float | None = None
     ppl_after: float | None = None
+    domains: dict[str, tuple[float, float]] = field(default_factory=dict)  # teacher and healed student
 
 
 def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> HealRunReport:
@@ -80,8 +85,10 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> 
             "heal against the model the student was made from"
         )
     report = HealRunReport(anatomy)
+    domains = domain_texts(recipe.calibration.data, recipe.eval.domains, recipe.eval.tokens)
     if dry_run:
         return report
+    fetch_domains(domains)
     started = time.perf_counter()
     student, tokenizer = load_source(recipe.model, student_source)
     teacher, _ = load_source(settings.teacher, teacher_source)
@@ -94,6 +101,7 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> 
         return report
     if held_out is not None:
         report.ppl_after = perplexity_of(student, *held_out)
+        report.domains = score_domains(teacher, student, tokenizer, domains, recipe.eval.tokens, anatomy.max_positions)
     to_source_dtype(student, anatomy)
     report.seconds = time.perf_counter() - started
     report.peak_memory_gb = peak_memory_gb()
@@ -112,6 +120,7 @@ def heal_card(recipe: Recipe, report: HealRunReport) -> CardInfo:
     if report.ppl_before is not None:
         figures.append(perplexity_row(recipe.calibration.data, recipe.eval.tokens, report.ppl_before, report.ppl_after,
                                       f" (teacher {report.ppl_teacher:.3f})"))
+        figures.extend(domain_rows(report.domains, recipe.eval.tokens, before="teacher"))
     info = CardInfo(
         title=f"{recipe.model.ref}, healed by distillation from {teacher.ref}",
         summary=(

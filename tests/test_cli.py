@@ -194,3 +194,28 @@ def test_eval_tasks_and_speed_refuse_bad_input_before_work(tiny_checkpoints, tmp
     assert_user_error(invoke("eval", "speed", a, "--context", "1k"), "--context expects comma-separated integers")
     (tmp_path / "text" / "wiki.utf8").write_text('<doc id="0">\nToo short.\n</doc>\n', encoding="utf-8")
     assert_user_error(invoke("eval", "tasks", a, "--tasks", "cloze"), "no cloze items")
+
+
+def test_surgery_scores_the_evaluation_domains_and_fetches_them_first(tiny_checkpoints, corpus_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path / "cache"))
+    fake_assets(tmp_path / "cache")
+    out = tmp_path / "mla"
+    args = ["convert", tiny_checkpoints["llama-gqa"], "--kv-budget", "0.5", "--calib-text", corpus_file, "--calib-tokens", "256",
+            "--refine-steps", "0", "--eval-tokens", "128"]
+    result = invoke(*args, "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    domains = json.loads(result.stdout)["domains"]
+    assert set(domains) == {"wiki-sample", "c4-sample", "code-sample"}
+    for figure in domains.values():
+        assert figure["ratio"] == pytest.approx(figure["after"] / figure["before"])
+    card = (out / "README.md").read_text()
+    assert "c4-sample eval part, first 128 tokens" in card and "the worst domain" in card
+    table = invoke(*args, "-o", tmp_path / "mla2", "--eval-domains", "code-sample")
+    assert table.exit_code == 0 and "code-sample: ppl" in table.stdout and "c4-sample" not in table.stdout
+    assert_user_error(invoke(*args, "-o", tmp_path / "x", "--eval-domains", "wiki-sample,nope"), "unknown dataset 'nope'")
+
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path / "empty"))  # nothing cached and no index to fetch from
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: network unreachable"))
+    assert_user_error(invoke(*args, "-o", tmp_path / "offline"), "--eval-domains none")
+    assert not (tmp_path / "offline").exists()
+    assert invoke(*args, "-o", tmp_path / "offline", "--eval-domains", "none").exit_code == 0

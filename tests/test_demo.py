@@ -65,6 +65,9 @@ def test_demo_model_converts_to_mla_that_stock_transformers_runs(demo_model, wik
     # The default conversion: closed form x1.93, refined x1.24 on 4 x 1024 tokens (benchmarks/mla_budget.py).
     # Shorter refinements (5 or 10 steps over 1024 tokens) pass the bound but lose "Paris" below.
     assert report.ppl_after / report.ppl_before < 1.5
+    assert set(report.domains) == {"c4-sample", "code-sample"}  # scored off the calibration domain too
+    assert all(after / before > 1.0 for before, after in report.domains.values())
+    assert "code-sample eval part" in (tmp_path / "mla" / "README.md").read_text()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "mla")
     prompt = tokenizer("The capital of France is", return_tensors="pt")

@@ -21,7 +21,7 @@ def run_example(args: list[str], env: dict[str, str], cwd: Path) -> str:
 @pytest.fixture
 def small(tiny_checkpoints, corpus_file) -> dict[str, str]:
     return {"MODEL": str(tiny_checkpoints["llama-gqa"]),
-            "CALIB": f"--calib-text {corpus_file} --calib-tokens 512 --refine-steps 2 --eval-tokens 256"}
+            "CALIB": f"--calib-text {corpus_file} --calib-tokens 512 --refine-steps 2 --eval-tokens 256 --eval-domains none"}
 
 
 def test_convert_and_evaluate(small, corpus_file, tmp_path):
@@ -34,7 +34,7 @@ def test_recipe_roundtrip(tiny_checkpoints, corpus_file, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         f"model: {tiny_checkpoints['llama-gqa']}\noutput: unused\nsteps:\n  - compress: {{method: svdllm, ratio: 0.5}}\n"
-        f"calibration:\n  data: {{text: {corpus_file}}}\n  tokens: 512\n  seq_len: 64\neval:\n  tokens: 128\n"
+        f"calibration:\n  data: {{text: {corpus_file}}}\n  tokens: 512\n  seq_len: 64\neval:\n  tokens: 128\n  domains: []\n"
     )
     output = run_example(["bash", str(EXAMPLES / "recipe_roundtrip.sh")], {"RECIPE": str(recipe), "OUT": str(tmp_path / "o")}, tmp_path)
     assert "bit for bit" in output

@@ -129,7 +129,7 @@ def test_cli_bad_ranks_exit_2(tiny_checkpoints, tmp_path):
 def cp_checkpoint(tiny_checkpoints, corpus_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("cp") / "cp50"
     args = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "cp", "--ratio", "0.5", "--calib-text", str(corpus_file),
-            "--calib-tokens", "512", "--eval-tokens", "256", "-o", str(out), "--json"]
+            "--calib-tokens", "512", "--eval-tokens", "256", "--eval-domains", "none", "-o", str(out), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     return out, json.loads(result.stdout)

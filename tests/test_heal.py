@@ -197,7 +197,7 @@ def test_cli_heals_a_checkpoint(tiny_checkpoints, corpus_file, tmp_path):
     assert runner.invoke(app, convert_args).exit_code == 0
     args = ["heal", str(student_dir), "--teacher", str(tiny_checkpoints["llama-gqa"]), "--text", str(corpus_file),
             "--tokens", "256", "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3",
-            "--eval-tokens", "128", "-o", str(tmp_path / "healed")]
+            "--eval-tokens", "128", "--eval-domains", "none", "-o", str(tmp_path / "healed")]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "healed 4 steps" in result.output and "ppl teacher" in result.output

@@ -176,6 +176,7 @@ def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, tiny_
         kv_budget=0.5,
         calibration=Calibration(data=TextData(text=corpus_file, part="calib"), tokens=512, seq_len=64),
         eval_tokens=256,
+        eval_domains=[],
     )
     report = run_convert(request)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")

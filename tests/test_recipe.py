@@ -166,7 +166,7 @@ def run_twice(recipe_text: str, tmp_path: Path) -> tuple[Path, Path, str]:
 def test_a_checkpoint_recipe_reproduces_it_bit_for_bit(steps, tiny_checkpoints, corpus_file, tmp_path):
     recipe = (
         f"model: {tiny_checkpoints['llama-gqa']}\noutput: {tmp_path / 'first'}\nsteps:\n{steps}"
-        f"calibration:\n  data: {{text: {corpus_file}}}\n  tokens: 512\n  seq_len: 64\neval:\n  tokens: 128\nseed: 5\n"
+        f"calibration:\n  data: {{text: {corpus_file}}}\n  tokens: 512\n  seq_len: 64\neval:\n  tokens: 128\n  domains: []\nseed: 5\n"
     ).replace("- heal: {", f"- heal: {{data: {{text: {corpus_file}}}, ")
     first, second, printed = run_twice(recipe, tmp_path)
     for name in ("model.safetensors", "config.json"):

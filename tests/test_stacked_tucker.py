@@ -130,7 +130,8 @@ def test_recipe_refuses_stacked_cp():
 def test_checkpoint_reloads_equal_in_attnsurg_and_with_remote_code(tiny_checkpoints, corpus_file, tmp_path):
     out = tmp_path / "st"
     args = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "tucker", "--stacked", "--ranks", "8,24",
-            "--calib-text", str(corpus_file), "--calib-tokens", "512", "--eval-tokens", "256", "-o", str(out), "--json"]
+            "--calib-text", str(corpus_file), "--calib-tokens", "512", "--eval-tokens", "256", "--eval-domains", "none", "-o", str(out),
+            "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from attnsurg.errors import UserError
 from attnsurg.eval.tasks import parse_tasks
-from attnsurg.eval.tasks.base import ChoiceItem, choice_credit, multiple_choice, retained, starts_with_answer
+from attnsurg.eval.tasks.base import ChoiceItem, choice_credit, multiple_choice, retained
 from attnsurg.eval.tasks.cloze import cloze_items, score_cloze
 from attnsurg.eval.tasks.facts import fact_items, in_sentence, score_facts
 from attnsurg.eval.tasks.passkey import check_lengths, default_lengths, passkey_items, retrieved, score_passkey
@@ -117,13 +117,6 @@ def test_ties_share_credit_and_retained_counts_the_reference_rights():
     assert math.isnan(retained([0, 0], [1, 1]))
 
 
-def test_word_match():
-    assert starts_with_answer("Paris, the capital", "Paris")
-    assert not starts_with_answer("Parisian food", "Paris")
-    assert starts_with_answer(" North America.", "North America")
-    assert not starts_with_answer("", "Paris")
-
-
 def test_fact_items_read_the_country_table():
     items = fact_items(COUNTRIES)
     contexts = [item.context for item in items]
@@ -158,7 +151,7 @@ def test_planted_model_scores_every_task_perfectly_and_uniform_scores_chance(tok
     uniform = Uniform(len(tokenizer))
     letters = [ChoiceItem(str(i), "Answer:", ("a", "b", "c", "d"), i % 4) for i in range(8)]
     assert all(len(encode_pair(tokenizer, "Answer:", c).continuation) == 1 for c in "abcd")
-    assert multiple_choice(uniform, tokenizer, letters, 256) == [0.25] * 8
+    assert multiple_choice(uniform, tokenizer, letters, 256)[0] == [0.25] * 8
     assert score_facts(uniform, tokenizer, facts, 256).metrics["greedy_acc"] == 0.0
     assert score_passkey(uniform, tokenizer, passkeys).metrics["acc"] == 0.0
 
@@ -175,7 +168,8 @@ def test_passkey_prompts_fit_their_length_and_hide_the_key(tokenizer):
 
 
 def test_passkey_lengths_stop_at_the_context():
-    assert default_lengths(8192) == [512, 1024, 2048, 4096, 8192]
+    assert default_lengths(8192) == [512, 1024, 2048, 4096]
+    assert default_lengths(8192, longest=8192) == [512, 1024, 2048, 4096, 8192]
     assert default_lengths(3000) == [512, 1024, 2048]
     with pytest.raises(UserError, match="beyond the model's context"):
         check_lengths([1024, 4096], 2048)

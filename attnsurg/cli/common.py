@@ -100,6 +100,12 @@ CalibSeqLen = Annotated[
     int, typer.Option("--calib-seq-len", help="Tokens per calibration window (calibrate at the context you will use).")
 ]
 EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")]
+EvalDomains = Annotated[
+    str,
+    typer.Option("--eval-domains", help="Built-in texts also scored before/after (their eval parts), comma-separated; "
+                 "'all' for the six samples, 'none' to skip."),
+]
+DEFAULT_EVAL_DOMAINS = "wiki-sample,c4-sample,code-sample"
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
 Seed = Annotated[int, typer.Option("--seed")]
@@ -115,3 +121,15 @@ def calibration_from(dataset: str, text: Path | None, tokens: int, seq_len: int)
     data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")
     return Calibration(data=data, tokens=tokens, seq_len=seq_len)
 
+
+
+def eval_domains_from(value: str) -> list[str]:
+    """The --eval-domains list: built-in domain names, 'all', or 'none'."""
+    from attnsurg.data import DOMAINS, parse_datasets
+
+    if value.strip().lower() == "none":
+        return []
+    names = parse_datasets(value)
+    if "wikitext2" in names:
+        raise UserError("--eval-domains takes the built-in samples; wikitext2 needs the hub (attnsurg eval perplexity --dataset wikitext2)")
+    return [n for n in names if n in DOMAINS]

@@ -8,12 +8,14 @@ from typing import Annotated, Optional
 import typer
 
 from attnsurg.cli.common import (
+    DEFAULT_EVAL_DOMAINS,
     AllowPickle,
     CalibDataset,
     CalibSeqLen,
     CalibText,
     CalibTokens,
     DryRun,
+    EvalDomains,
     EvalTokens,
     JsonFlag,
     Overwrite,
@@ -22,6 +24,7 @@ from attnsurg.cli.common import (
     TrustRemoteCode,
     app,
     calibration_from,
+    eval_domains_from,
     user_errors,
 )
 from attnsurg.cli.report import execute
@@ -79,6 +82,7 @@ def compress(
     calib_tokens: CalibTokens = 4096,
     calib_seq_len: CalibSeqLen = 512,
     eval_tokens: EvalTokens = 2048,
+    eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
     overwrite: Overwrite = False,
@@ -110,6 +114,7 @@ def compress(
         ratio=ratio,
         calibration=calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len),
         eval_tokens=eval_tokens,
+        eval_domains=eval_domains_from(eval_domains),
         overwrite=overwrite,
         seed=seed,
     )

@@ -8,14 +8,17 @@ from typing import Annotated, Optional
 import typer
 
 from attnsurg.cli.common import (
+    DEFAULT_EVAL_DOMAINS,
     AllowPickle,
     DryRun,
+    EvalDomains,
     JsonFlag,
     Overwrite,
     PrintRecipe,
     Seed,
     TrustRemoteCode,
     app,
+    eval_domains_from,
     user_errors,
 )
 from attnsurg.cli.report import execute
@@ -52,6 +55,7 @@ def heal(
     eval_tokens: Annotated[
         int, typer.Option("--eval-tokens", help="Tokens of the dataset's eval part (a --text file: its start) scored before/after (0: skip).")
     ] = 2048,
+    eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
     overwrite: Overwrite = False,
@@ -88,7 +92,7 @@ def heal(
         output=output or Path("OUT"),  # a dry run writes nothing
         steps=[HealStep(heal=settings)],
         calibration=Calibration(data=data),  # scoring reads its eval part
-        eval=Evaluation(tokens=eval_tokens),
+        eval=Evaluation(tokens=eval_tokens, domains=eval_domains_from(eval_domains)),
         seed=seed,
     )
     execute(recipe, dry_run, overwrite, print_recipe, json_output)

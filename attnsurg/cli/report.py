@@ -50,7 +50,7 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
     if json_output:
         record = {"plan": rows, "written": report.written, "seconds": report.seconds, "convert_seconds": report.convert_seconds,
                   "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-                  "layer_errors": report.layer_errors, "heal": heal_record(report.heal)}
+                  "layer_errors": report.layer_errors, "heal": heal_record(report.heal), "domains": domains_record(report)}
         print(json.dumps(record, indent=2))
         return
     title = f"MLA plan for {model}, {report.plan.layout} RoPE layout (identical in every layer)"
@@ -73,13 +73,31 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
     print_ppl(report)
 
 
+def domains_record(report) -> dict[str, dict[str, float]]:
+    return {name: {"before": before, "after": after, "ratio": after / before}
+            for name, (before, after) in getattr(report, "domains", {}).items()}
+
+
+def print_domains(report, before: str = "") -> None:
+    """One line per evaluation domain off the calibration text, the worst marked."""
+    from attnsurg.pipeline import worst_domain
+
+    worst = worst_domain(report.domains)
+    for name, (first, after) in report.domains.items():
+        mark = "  [bold red]worst domain[/]" if name == worst and len(report.domains) > 1 else ""
+        of = f" of the {before}" if before else ""
+        out.print(f"  {name}: ppl {first:.3f} -> {after:.3f} (x{after / first:.3f}{of}){mark}", highlight=False)
+
+
 def print_ppl(report) -> None:
     if report.ppl_before is None:
         return
     start = getattr(getattr(report, "heal", None), "ppl_start", None)
     surgery = f"{start:.3f} (x{start / report.ppl_before:.3f}) after the surgery, " if start is not None else ""
     healed = " after healing" if surgery else ""
-    out.print(f"ppl {report.ppl_before:.3f} -> {surgery}{report.ppl_after:.3f}{healed} (x{report.ppl_after / report.ppl_before:.3f})")
+    out.print(f"ppl {report.ppl_before:.3f} -> {surgery}{report.ppl_after:.3f}{healed} (x{report.ppl_after / report.ppl_before:.3f}) "
+              "on the calibration text's eval part")
+    print_domains(report)
 
 
 def heal_record(heal) -> dict | None:
@@ -111,7 +129,7 @@ def print_compress_report(model: str, report, dry_run: bool, json_output: bool) 
                   "projection_flops_per_token": list(flops), "kv_values_per_token": [report.anatomy.kv_values_per_token, plan.kv_values_after()],
                   "written": report.written, "seconds": report.seconds, "factorize_seconds": report.factorize_seconds,
                   "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-                  "heal": heal_record(report.heal)}
+                  "heal": heal_record(report.heal), "domains": domains_record(report)}
         print(json.dumps(record, indent=2))
         return
     out.print(lowrank_plan_table(model, plan, rows, dry_run))
@@ -132,7 +150,7 @@ def print_loki_report(model: str, report, json_output: bool) -> None:
     record = {"rank": plan.rank, "ranks": plan.layer_ranks(), "variance": plan.variance, "top_k": plan.top_k,
               "basis": plan.basis, "written": report.written,
               "seconds": report.seconds, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-              "heal": heal_record(report.heal)}
+              "heal": heal_record(report.heal), "domains": domains_record(report)}
     if json_output:
         print(json.dumps(record, indent=2))
         return
@@ -187,7 +205,7 @@ def print_heal_report(recipe, report, dry_run: bool, json_output: bool) -> None:
     if json_output:
         record = {"written": report.written, "seconds": report.seconds, "peak_memory_gb": report.peak_memory_gb,
                   "ppl_teacher": report.ppl_teacher, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-                  "heal": heal_record(report.heal)}
+                  "heal": heal_record(report.heal), "domains": domains_record(report)}
         print(json.dumps(record, indent=2))
         return
     if dry_run:
@@ -200,3 +218,4 @@ def print_heal_report(recipe, report, dry_run: bool, json_output: bool) -> None:
     if report.ppl_before is not None:
         out.print(f"ppl teacher {report.ppl_teacher:.3f}; student {report.ppl_before:.3f} -> {report.ppl_after:.3f} "
                   f"(x{report.ppl_before / report.ppl_teacher:.3f} -> x{report.ppl_after / report.ppl_teacher:.3f} of the teacher)")
+        print_domains(report, before="teacher")

@@ -1,12 +1,11 @@
-"""What every task shares: multiple-choice items scored by log-likelihood, generation items scored by
-greedy exact match, and per-item results so models can be compared item by item ("retained")."""
+"""What every task shares: multiple-choice items scored by log-likelihood, and per-item results so models
+can be compared item by item ("retained")."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from attnsurg.eval.tasks.scoring import encode, encode_pair, greedy_generate, loglikelihoods
+from attnsurg.eval.tasks.scoring import encode_pair, loglikelihoods
 
 
 @dataclass(frozen=True)
@@ -39,37 +38,18 @@ def choice_credit(scores: list[float], answer: int) -> float:
     return 1.0 / len(tied) if answer in tied else 0.0
 
 
-def multiple_choice(model, tokenizer, items: list[ChoiceItem], max_length: int) -> list[float]:
-    """lm-eval ``acc``: the choice with the highest summed log-likelihood of its continuation."""
+def multiple_choice(model, tokenizer, items: list[ChoiceItem], max_length: int) -> tuple[list[float], list[float]]:
+    """Per item, lm-eval's ``acc`` credit (the choice with the highest summed log-likelihood of its
+    continuation) and whether the right continuation is the greedy one (every token the argmax)."""
     requests = [encode_pair(tokenizer, item.context, choice) for item in items for choice in item.choices]
     likelihoods = loglikelihoods(model, requests, max_length)
-    credits, start = [], 0
+    credits, greedy, start = [], [], 0
     for item in items:
-        scores = [lk.logprob for lk in likelihoods[start : start + len(item.choices)]]
-        credits.append(choice_credit(scores, item.answer))
+        scored = likelihoods[start : start + len(item.choices)]
+        credits.append(choice_credit([lk.logprob for lk in scored], item.answer))
+        greedy.append(1.0 if scored[item.answer].is_greedy else 0.0)
         start += len(item.choices)
-    return credits
-
-
-def words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
-
-
-def starts_with_answer(generated: str, answer: str) -> bool:
-    """Whole-word match: the generated text's first words are the answer's words (case and punctuation
-    ignored), so "Paris, the capital" matches "Paris" and "Parisian" does not."""
-    expected = words(answer)
-    return bool(expected) and words(generated)[: len(expected)] == expected
-
-
-def greedy_match(model, tokenizer, prompt: str, answer: str, max_new_tokens: int) -> tuple[bool, str]:
-    generated = tokenizer.decode(greedy_generate(model, encode(tokenizer, prompt), max_new_tokens, stop_ids(tokenizer)))
-    first_line = generated.strip().split("\n")[0]
-    return starts_with_answer(first_line, answer), first_line
-
-
-def stop_ids(tokenizer) -> set[int]:
-    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    return credits, greedy
 
 
 def mean(values: list[float]) -> float:

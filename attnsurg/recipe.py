@@ -106,13 +106,21 @@ class TasksEval(Strict):
     on the same items."""
 
     models: list[ModelRef] = Field(min_length=1)
-    tasks: list[Literal["facts", "cloze", "passkey"]] = Field(default_factory=lambda: list(TASK_NAMES), min_length=1)
-    limit: int | None = Field(None, gt=0, description="At most this many items per task (facts, cloze).")
+    tasks: list[Literal["facts", "cloze", "passkey"]] = Field(default_factory=lambda: list(TASK_NAMES))
+    lm_eval: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks, run by the harness.")
+    lm_eval_include: Path | None = Field(None, description="A folder of extra lm-evaluation-harness task YAML files.")
+    limit: int | None = Field(None, gt=0, description="At most this many items per task (facts, cloze, lm-eval).")
     cloze_items: int = Field(300, gt=0)
     passkey_lengths: list[int] | None = None
     max_length: int = Field(2048, gt=1, description="Longest input for log-likelihood items (left-truncated).")
     dtype: DType = "auto"
     device: str = "auto"
+
+    @model_validator(mode="after")
+    def _something_to_run(self) -> TasksEval:
+        if not self.tasks and not self.lm_eval:
+            raise ValueError("no task to run: name built-in tasks (facts, cloze, passkey) or lm-evaluation-harness tasks")
+        return self
 
 
 class SpeedEval(Strict):

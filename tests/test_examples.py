@@ -25,9 +25,10 @@ def small(tiny_checkpoints, corpus_file) -> dict[str, str]:
 
 
 def test_convert_and_evaluate(small, corpus_file, tmp_path):
-    env = {**small, "OUT": str(tmp_path / "mla"), "EVAL": f"--text {corpus_file} --max-length 64 --max-tokens 256"}
+    env = {**small, "OUT": str(tmp_path / "mla"), "EVAL": f"--text {corpus_file} --max-length 64 --max-tokens 256",
+           "TASKS": "--tasks passkey --passkey-lengths 192"}
     output = run_example(["bash", str(EXAMPLES / "convert_and_evaluate.sh")], env, tmp_path)
-    assert "deepseek_v3" in output and "Perplexity" in output
+    assert "deepseek_v3" in output and "Perplexity" in output and "Passkey retrieval" in output
 
 
 def test_recipe_roundtrip(tiny_checkpoints, corpus_file, tmp_path):

@@ -134,7 +134,14 @@ def domain_table(report) -> Table:
 @user_errors
 def eval_tasks(
     models: Annotated[list[str], typer.Argument(help="One or more models; the first is the reference for 'retained'.")],
-    tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated: facts, cloze, passkey.")] = "facts,cloze,passkey",
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated: facts, cloze, passkey, or none.")] = "facts,cloze,passkey",
+    lm_eval: Annotated[
+        Optional[str], typer.Option("--lm-eval", help="lm-evaluation-harness tasks, comma-separated (hellaswag,arc_easy; "
+                                    "needs pip install 'attnsurg[lm-eval]' and the tasks' data).")
+    ] = None,
+    lm_eval_include: Annotated[
+        Optional[Path], typer.Option("--lm-eval-include", help="A folder of extra lm-evaluation-harness task YAML files.")
+    ] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="At most N items per task (facts, cloze); default all.")] = None,
     passkey_lengths: Annotated[
         Optional[str], typer.Option("--passkey-lengths", help="Prompt lengths in tokens, e.g. 512,2048 [default: 512, 1024, ... up to the model's context].")
@@ -154,6 +161,8 @@ def eval_tasks(
     request = TasksEval(
         models=[ModelRef(ref=m, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle) for m in models],
         tasks=parse_tasks(tasks),
+        lm_eval=[t.strip() for t in lm_eval.split(",") if t.strip()] if lm_eval else [],
+        lm_eval_include=lm_eval_include,
         limit=limit,
         passkey_lengths=parse_int_list(passkey_lengths, "--passkey-lengths") if passkey_lengths else None,
         dtype=dtype,
@@ -163,9 +172,12 @@ def eval_tasks(
     if json_output:
         print(json.dumps(report.to_dict(), indent=2))
         return
-    out.print(tasks_table(report))
+    if report.tasks:
+        out.print(tasks_table(report))
     if "passkey" in report.tasks:
         out.print(passkey_table(report))
+    if report.lm_eval:
+        out.print(harness_table(report))
 
 
 def parse_int_list(value: str, flag: str) -> list[int]:
@@ -207,6 +219,25 @@ def tasks_table(report) -> Table:
         seconds = sum(r.seconds for r in model.results.values())
         table.add_row(f"{escape(model.model)}\n[dim]{model.model_type}, {model.dtype}, {model.device}[/]",
                       *(task_cell(model, t, m, index == 0) for t, m in columns), f"{seconds:.0f}")
+    return table
+
+
+def harness_table(report) -> Table:
+    """Each lm-evaluation-harness task's accuracy-like metrics, with the share of the first model's right answers kept."""
+    table = Table(title="lm-evaluation-harness (its own scoring); 'keeps': share of the first model's right answers kept",
+                  title_justify="left")
+    table.add_column("model")
+    columns = [(task, metric) for task, result in report.models[0].harness.items() for metric in result["metrics"]
+               if metric.split(",")[0] in ("acc", "acc_norm", "exact_match")]
+    for task, metric in columns:
+        table.add_column(f"{task} {metric.split(',')[0]}", justify="right")
+    for index, model in enumerate(report.models):
+        cells = []
+        for task, metric in columns:
+            value = model.harness[task]["metrics"][metric]
+            kept = model.harness_retained.get(task, {}).get(metric.split(",")[0])
+            cells.append(f"{value:.3f}" if index == 0 or kept is None else f"{value:.3f}\n[dim]keeps {kept:.3f}[/]")
+        table.add_row(escape(model.model), *cells)
     return table
 
 

@@ -1,5 +1,6 @@
-"""``attnsurg eval tasks``: zero-shot downstream tasks (facts, cloze, passkey), every model on the same
-items, one model in memory at a time, with "retained" figures against the first model."""
+"""``attnsurg eval tasks``: zero-shot downstream tasks (facts, cloze, passkey, and any lm-evaluation-harness
+task through the optional harness), every model on the same items, one model in memory at a time, with
+"retained" figures against the first model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from attnsurg.eval.loading import Loaded, check_models_exist, load_for_eval
 from attnsurg.eval.tasks.base import TaskResult, retained
 from attnsurg.eval.tasks.cloze import load_cloze_items, score_cloze
 from attnsurg.eval.tasks.facts import load_fact_items, score_facts
+from attnsurg.eval.tasks.harness import check_harness_tasks, run_harness
 from attnsurg.eval.tasks.passkey import check_lengths, default_lengths, passkey_items, score_passkey
 from attnsurg.recipe import TasksEval
 
@@ -24,11 +26,14 @@ class ModelTasks:
     device: str
     results: dict[str, TaskResult] = field(default_factory=dict)
     retained: dict[str, dict[str, float]] = field(default_factory=dict)
+    harness: dict[str, dict] = field(default_factory=dict)  # lm-evaluation-harness: metrics and samples per task
+    harness_retained: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
 class TasksReport:
     tasks: list[str]
+    lm_eval: list[str] = field(default_factory=list)
     models: list[ModelTasks] = field(default_factory=list)
 
     def to_dict(self, with_items: bool = False) -> dict[str, Any]:
@@ -37,6 +42,8 @@ class TasksReport:
             for model in record["models"]:
                 for result in model["results"].values():
                     result.pop("items")
+                for result in model["harness"].values():
+                    result.pop("samples")
         return record
 
 
@@ -70,17 +77,32 @@ def add_retained(report: TasksReport) -> None:
             first = reference.results[task].items
             other.retained[task] = {metric: retained(first[metric], credits) for metric, credits in result.items.items()
                                     if len(first.get(metric, [])) == len(credits)}
+        for task, result in other.harness.items():
+            first, mine = sample_credits(reference.harness[task]["samples"]), sample_credits(result["samples"])
+            other.harness_retained[task] = {metric: retained(first[metric], credits) for metric, credits in mine.items()
+                                            if len(first.get(metric, [])) == len(credits)}
+
+
+def sample_credits(samples: list[dict]) -> dict[str, list[float]]:
+    """lm-eval's per-document 0/1 metrics (acc, acc_norm, exact_match...), in document order."""
+    ordered = sorted(samples, key=lambda sample: sample["doc_id"])
+    metrics = {key for sample in ordered for key, value in sample.items() if key != "doc_id" and value in (0, 1, 0.0, 1.0)}
+    return {metric: [float(sample.get(metric, 0.0)) for sample in ordered] for metric in sorted(metrics)}
 
 
 def run_tasks(request: TasksEval) -> TasksReport:
     """Score every model of the request on the same task items."""
     check_models_exist(request.models)
-    report = TasksReport(tasks=list(request.tasks))
+    manager = check_harness_tasks(request.lm_eval, request.lm_eval_include) if request.lm_eval else None
+    report = TasksReport(tasks=list(request.tasks), lm_eval=list(request.lm_eval))
     for ref in request.models:
         loaded = load_for_eval(ref, request.device, request.dtype)
         if "passkey" in request.tasks:
             passkey_lengths(request, loaded)  # a length beyond the context fails before any scoring
-        report.models.append(score_model(request, loaded))
+        record = score_model(request, loaded)
+        if manager is not None:
+            record.harness = run_harness(loaded.model, loaded.tokenizer, request.lm_eval, manager, request.limit)
+        report.models.append(record)
         del loaded
         gc.collect()
     add_retained(report)
@@ -90,8 +112,11 @@ def run_tasks(request: TasksEval) -> TasksReport:
 def parse_tasks(value: str) -> list[str]:
     from attnsurg.recipe import TASK_NAMES
 
+    if value.strip().lower() == "none":
+        return []
     names = [name.strip() for name in value.split(",") if name.strip()]
     unknown = [name for name in names if name not in TASK_NAMES]
     if unknown or not names:
-        raise UserError(f"unknown task '{unknown[0] if unknown else value}'; choose from {', '.join(TASK_NAMES)}")
+        raise UserError(f"unknown task '{unknown[0] if unknown else value}'; choose from {', '.join(TASK_NAMES)} "
+                        "(or none), and run lm-evaluation-harness tasks with --lm-eval")
     return names

@@ -89,3 +89,16 @@ def test_several_texts_give_a_ratio_matrix_and_each_models_worst_text(tiny_check
     assert report.ratios[models[0].ref] == {str(corpus_file): 1.0, str(other): 1.0}
     assert report.ratios[second][str(other)] == pytest.approx(report.row(second, str(other)).ppl / report.row(models[0].ref, str(other)).ppl)
     assert report.worst[second] == max(report.ratios[second], key=report.ratios[second].get)
+
+
+def test_a_prefix_tokenizes_as_the_whole_text_does(tokenizer):
+    from attnsurg.eval import perplexity
+
+    from tests.conftest import CORPUS
+
+    text = CORPUS * 20
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    tokens = perplexity.tokenize(tokenizer, text, 300)
+    assert len(text) > (300 + perplexity.PREFIX_MARGIN_TOKENS) * perplexity.PREFIX_CHARS_PER_TOKEN  # the prefix path
+    assert tokens.ids.tolist() == whole[:300] and len(tokens.ends) == 300
+    assert perplexity.tokenize(tokenizer, text, None).ids.tolist() == whole

@@ -20,7 +20,7 @@ class Loaded:
     source: ModelSource
     config: PretrainedConfig
     anatomy: AttentionAnatomy
-    model: PreTrainedModel
+    model: PreTrainedModel | None
     tokenizer: object
     device: torch.device
     dtype: torch.dtype
@@ -41,11 +41,16 @@ def check_models_exist(models: list[ModelRef]) -> None:
         inspect_model(ref)
 
 
-def load_for_eval(ref: ModelRef, device_name: str, dtype_name: str) -> Loaded:
+def prepare_for_eval(ref: ModelRef, device_name: str, dtype_name: str) -> Loaded:
+    """Config, anatomy, tokenizer, device and dtype of a model; its weights come with ``load_weights``."""
     source, config, anatomy = inspect_model(ref)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, device, config)
-    tokenizer = load_tokenizer(source, ref.trust_remote_code)
-    with ui.status(f"Loading {ref.ref}..."):
-        model = load_model(source, dtype, device, ref.trust_remote_code, ref.allow_pickle)
-    return Loaded(ref, source, config, anatomy, model, tokenizer, device, dtype)
+    return Loaded(ref, source, config, anatomy, None, load_tokenizer(source, ref.trust_remote_code), device, dtype)
+
+
+def load_weights(loaded: Loaded) -> None:
+    with ui.status(f"Loading {loaded.ref.ref}..."):
+        loaded.model = load_model(loaded.source, loaded.dtype, loaded.device, loaded.ref.trust_remote_code,
+                                  loaded.ref.allow_pickle)
+

@@ -23,9 +23,7 @@ from attnsurg import ui
 from attnsurg.data import Text, load_text
 from attnsurg.errors import UserError
 from attnsurg.eval.windows import Window, count_words, plan_windows, scored_text
-from attnsurg.eval.loading import check_models_exist, load_for_eval
-from attnsurg.info import inspect_model
-from attnsurg.io.load import load_tokenizer
+from attnsurg.eval.loading import check_models_exist, load_weights, prepare_for_eval
 from attnsurg.recipe import ModelRef, PerplexityEval, TextData
 
 
@@ -95,10 +93,22 @@ class PerplexityReport:
         return next(r for r in self.results if r.model == model and r.text == text)
 
 
+PREFIX_CHARS_PER_TOKEN = 16  # more characters than any tokenizer spends on a token of natural text or code
+PREFIX_MARGIN_TOKENS = 64  # tokens past the ones kept, so the cut cannot change them
+
+
 def tokenize(tokenizer, text: str, max_tokens: int | None) -> Tokens:
-    """Tokenize without special tokens; keep character offsets when the tokenizer can give them."""
+    """Tokenize without special tokens; keep character offsets when the tokenizer can give them. With
+    ``max_tokens``, a prefix of the text is tokenized first (the whole text only when it is too short)."""
     fast = getattr(tokenizer, "is_fast", False)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
+    encoded = None
+    if max_tokens and len(text) > (max_tokens + PREFIX_MARGIN_TOKENS) * PREFIX_CHARS_PER_TOKEN:
+        prefix = text[: (max_tokens + PREFIX_MARGIN_TOKENS) * PREFIX_CHARS_PER_TOKEN]
+        encoded = tokenizer(prefix, add_special_tokens=False, return_offsets_mapping=fast)
+        if len(encoded["input_ids"]) < max_tokens + PREFIX_MARGIN_TOKENS:
+            encoded = None
+    if encoded is None:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
     ids = encoded["input_ids"][:max_tokens] if max_tokens else encoded["input_ids"]
     ends = [end for _, end in encoded["offset_mapping"][: len(ids)]] if fast else None
     ids = torch.tensor(ids, dtype=torch.long)
@@ -202,11 +212,11 @@ def prepare_texts(tokenizer, request: PerplexityEval, texts: list[Text]) -> list
 
 def evaluate_model(model_ref: ModelRef, request: PerplexityEval, texts: list[Text]) -> list[ModelResult]:
     """Score one model on every text (loaded once); the texts are tokenized and planned before loading."""
-    source, config, anatomy = inspect_model(model_ref)
-    check_window_fits(request, config, model_ref.ref)
-    prepared = prepare_texts(load_tokenizer(source, model_ref.trust_remote_code), request, texts)
-    loaded = load_for_eval(model_ref, request.device, request.dtype)
-    model, dtype_name = loaded.model, loaded.dtype_name
+    loaded = prepare_for_eval(model_ref, request.device, request.dtype)
+    check_window_fits(request, loaded.config, model_ref.ref)
+    prepared = prepare_texts(loaded.tokenizer, request, texts)
+    load_weights(loaded)
+    model, dtype_name, anatomy, config = loaded.model, loaded.dtype_name, loaded.anatomy, loaded.config
     results = []
     for item in prepared:
         label = model_ref.ref if len(prepared) == 1 else f"{model_ref.ref} on {item.text.name}"

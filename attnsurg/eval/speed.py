@@ -23,7 +23,7 @@ import torch
 
 from attnsurg import ui
 from attnsurg.errors import UserError
-from attnsurg.eval.loading import Loaded, check_models_exist, load_for_eval
+from attnsurg.eval.loading import Loaded, check_models_exist, load_weights, prepare_for_eval
 from attnsurg.eval.tasks.scoring import cache_argument, keeps_logits, returned_cache
 from attnsurg.recipe import SpeedEval
 
@@ -188,8 +188,9 @@ def run_speed(request: SpeedEval) -> SpeedReport:
     check_models_exist(request.models)
     report = SpeedReport(contexts=list(request.contexts), new_tokens=request.new_tokens, repeats=request.repeats)
     for ref in request.models:
-        loaded = load_for_eval(ref, request.device, request.dtype)
+        loaded = prepare_for_eval(ref, request.device, request.dtype)
         check_contexts(request, loaded)
+        load_weights(loaded)
         record = ModelSpeed(ref.ref, loaded.anatomy.model_type, loaded.dtype_name, str(loaded.device),
                             loaded.anatomy.kv_bytes_per_token(loaded.dtype_name))
         with ui.progress_bar(f"Timing {ref.ref}", total=len(request.contexts), unit="contexts") as advance:

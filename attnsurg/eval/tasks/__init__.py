@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from attnsurg.errors import UserError
-from attnsurg.eval.loading import Loaded, check_models_exist, load_for_eval
+from attnsurg.eval.loading import Loaded, check_models_exist, load_weights, prepare_for_eval
 from attnsurg.eval.tasks.base import TaskResult, retained
 from attnsurg.eval.tasks.cloze import load_cloze_items, score_cloze
 from attnsurg.eval.tasks.facts import load_fact_items, score_facts
@@ -96,9 +96,10 @@ def run_tasks(request: TasksEval) -> TasksReport:
     manager = check_harness_tasks(request.lm_eval, request.lm_eval_include) if request.lm_eval else None
     report = TasksReport(tasks=list(request.tasks), lm_eval=list(request.lm_eval))
     for ref in request.models:
-        loaded = load_for_eval(ref, request.device, request.dtype)
+        loaded = prepare_for_eval(ref, request.device, request.dtype)
         if "passkey" in request.tasks:
-            passkey_lengths(request, loaded)  # a length beyond the context fails before any scoring
+            passkey_lengths(request, loaded)  # a length beyond the context fails before the weights load
+        load_weights(loaded)
         record = score_model(request, loaded)
         if manager is not None:
             record.harness = run_harness(loaded.model, loaded.tokenizer, request.lm_eval, manager, request.limit)

@@ -42,7 +42,9 @@ def wiki_documents(raw: str) -> list[str]:
 
 
 def line_documents(raw: str) -> list[str]:
-    """One document per line (c4.utf8; multilingual.utf8, whose lines are whole fables and passages)."""
+    """One document per line (c4.utf8; multilingual.utf8, whose lines are passages, and some headings and
+    table rows, in one language each: the file holds several passages in many languages, so its two halves
+    share no text but can share a story told in another language)."""
     return [line.strip() for line in raw.splitlines() if line.strip()]
 
 
@@ -96,7 +98,6 @@ DOMAINS: dict[str, Domain] = {
 }
 ALL_DOMAINS = "all"
 BUILTIN_DATASETS = (*DOMAINS, "wikitext2")
-SURGERY_DOMAINS = ("wiki-sample", "c4-sample", "code-sample")
 
 
 def half_of(documents: list[str], part: Part) -> list[str]:
@@ -129,7 +130,7 @@ def check_dataset_name(name: str) -> None:
 def parse_datasets(value: str) -> list[str]:
     """A comma-separated list of dataset names, ``all`` for the six built-in domains; checked, in order."""
     names: list[str] = []
-    for name in (part.strip() for part in value.split(",")):
+    for name in (part.strip() for part in value.split(",") if part.strip()):
         for expanded in DOMAINS if name == ALL_DOMAINS else [name]:
             check_dataset_name(expanded)
             if expanded not in names:

@@ -65,7 +65,8 @@ def fetch_domains(texts: list[TextData]) -> None:
         try:
             ensure_text(data.dataset)
         except UserError as exc:
-            raise UserError(f"{exc} (evaluation domain {data.dataset}; --eval-domains none skips them)") from None
+            raise UserError(f"{exc} (evaluation domain {data.dataset}; --eval-domains none, or in a recipe "
+                            "eval: {domains: []}, skips them)") from None
 
 
 def score_domains(source: PreTrainedModel, result: PreTrainedModel, tokenizer, texts: list[TextData], eval_tokens: int,
@@ -134,6 +135,7 @@ def finish_surgery(
     """Heal if the recipe says so, score before/after on the same windows, cast to the source dtype, fill
     the report's timing and write the checkpoint with its card and the recipe that made it."""
     recipe = recipe or Recipe.from_request(request)
+    domains = domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens)
     held_out = None  # one set of windows scores the source, the operated model and the healed one
     if request.eval_tokens and is_main_process():
         held_out = scoring_windows(surgery.tokenizer, request.calibration.data, request.eval_tokens, anatomy.max_positions)
@@ -147,7 +149,6 @@ def finish_surgery(
             return
     if held_out is not None:
         report.ppl_before, report.ppl_after = perplexity_of(surgery.model, *held_out), perplexity_of(result, *held_out)
-        domains = domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens)
         report.domains = score_domains(surgery.model, result, surgery.tokenizer, domains, request.eval_tokens,
                                        anatomy.max_positions)
     to_source_dtype(result, anatomy)

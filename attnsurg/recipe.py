@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -51,6 +51,9 @@ def check_domains(domains: list[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown evaluation domain '{unknown[0]}'; choose from {', '.join(DOMAINS)}")
     return list(dict.fromkeys(domains))
+
+
+EvalDomainList = Annotated[list[str], AfterValidator(check_domains)]
 
 
 class TextData(Strict):
@@ -173,14 +176,9 @@ class SurgeryContext(Strict):
     output: Path
     calibration: Calibration = Calibration()
     eval_tokens: int = Field(2048, ge=0)
-    eval_domains: list[str] = Field(default_factory=lambda: list(EVAL_DOMAINS))
+    eval_domains: EvalDomainList = Field(default_factory=lambda: list(EVAL_DOMAINS))
     overwrite: bool = False
     seed: int = 0
-
-    @field_validator("eval_domains")
-    @classmethod
-    def _known_domains(cls, domains: list[str]) -> list[str]:
-        return check_domains(domains)
 
 
 # ------------------------------------------------------------------------- method settings (recipe steps)
@@ -393,12 +391,7 @@ class Evaluation(Strict):
     source and result on the same windows."""
 
     tokens: int = Field(2048, ge=0)
-    domains: list[str] = Field(default_factory=lambda: list(EVAL_DOMAINS))
-
-    @field_validator("domains")
-    @classmethod
-    def _known_domains(cls, domains: list[str]) -> list[str]:
-        return check_domains(domains)
+    domains: EvalDomainList = Field(default_factory=lambda: list(EVAL_DOMAINS))
 
 
 class Recipe(Strict):

@@ -14,6 +14,7 @@ original's right answers kept; cloze accuracy; passkey retrieval) and writes res
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -23,6 +24,8 @@ from attnsurg.data import DOMAINS
 from attnsurg.eval.perplexity import run_perplexity
 from attnsurg.eval.tasks import run_tasks
 from attnsurg.eval.tasks.base import retained
+from attnsurg.eval.tasks.cloze import load_cloze_items
+from attnsurg.eval.tasks.facts import load_fact_items
 from attnsurg.io.load import load_config, resolve_source
 from attnsurg.io.recipe_file import load_recipe, shipped_recipes
 from attnsurg.recipe import ModelRef, PerplexityEval, TasksEval, TextData
@@ -40,6 +43,12 @@ def checkpoint_for(name: str, out_dir: Path) -> tuple[Path, float | None]:
     start = time.perf_counter()
     run_recipe(recipe)
     return output, time.perf_counter() - start
+
+
+def item_fingerprint() -> str:
+    """Changes whenever the facts or cloze items change, so cached scores are not reused across them."""
+    texts = [i.context + i.choices[i.answer] for i in load_fact_items()] + [i.context + i.target for i in load_cloze_items(300)]
+    return hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
 
 
 def scores_of(model: str, settings: dict, cache: Path) -> dict:
@@ -110,7 +119,7 @@ def main() -> None:
     names = args.recipes or [p.stem for p in shipped_recipes()]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"windows": args.windows, "limit": args.limit, "tasks": not args.no_tasks,
-                "passkey_lengths": [int(n) for n in args.passkey_lengths.split(",")]}
+                "passkey_lengths": [int(n) for n in args.passkey_lengths.split(",")], "items": item_fingerprint()}
     original = scores_of(ORIGINAL, settings, args.out_dir / f"{ORIGINAL}.scores.json")
     rows = [{**row_of("original", original, original), "ppl": original["ppl"]}]
     run_seconds = {}

@@ -170,13 +170,13 @@ def test_eval_tasks_runs_offline_and_reports_retained(tiny_checkpoints, tmp_path
     monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
     fake_assets(tmp_path)
     a, b = tiny_checkpoints["llama-gqa"], tiny_checkpoints["qwen2"]
-    result = invoke("eval", "tasks", a, b, "--tasks", "facts,cloze,passkey", "--passkey-lengths", "192,256", "--device", "cpu", "--json")
+    result = invoke("eval", "tasks", a, b, "--tasks", "facts,cloze,passkey", "--passkey-lengths", "192,248", "--device", "cpu", "--json")
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     first, second = record["models"]
     assert first["results"]["facts"]["metrics"]["items"] == 10  # 5 capitals + 5 continents
     assert first["results"]["cloze"]["metrics"]["items"] == 4  # the evaluation half: 4 of 8 articles
-    assert set(second["results"]["passkey"]["details"]["acc_by_length"]) == {"192", "256"}
+    assert set(second["results"]["passkey"]["details"]["acc_by_length"]) == {"192", "248"}
     assert set(second["retained"]["facts"]) == {"choice_acc", "greedy_acc"}
     table = invoke("eval", "tasks", a, "--tasks", "facts", "--limit", "3", "--device", "cpu")
     assert table.exit_code == 0 and "facts 4-way" in table.stdout and "facts 3" in table.stdout
@@ -192,6 +192,10 @@ def test_eval_tasks_and_speed_refuse_bad_input_before_work(tiny_checkpoints, tmp
     assert_user_error(invoke("eval", "tasks", a, tmp_path / "typo", "--tasks", "facts"), "typo")
     assert_user_error(invoke("eval", "speed", a, "--context", "1024"), "beyond", "256 positions")
     assert_user_error(invoke("eval", "speed", a, "--context", "1k"), "--context expects comma-separated integers")
+    assert_user_error(invoke("eval", "tasks", a, "--tasks", "facts", "--passkey-lengths", "128"), "add it to --tasks")
+    assert_user_error(invoke("eval", "tasks", a, a, "--tasks", "facts"), "named twice")
+    b = tiny_checkpoints["qwen2"]  # a too-long context for the second model fails before the first is scored
+    assert_user_error(invoke("eval", "perplexity", a, b, "--max-length", "512", "--dataset", "wiki-sample"), "longer than")
     (tmp_path / "text" / "wiki.utf8").write_text('<doc id="0">\nToo short.\n</doc>\n', encoding="utf-8")
     assert_user_error(invoke("eval", "tasks", a, "--tasks", "cloze"), "no cloze items")
 
@@ -205,9 +209,10 @@ def test_surgery_scores_the_evaluation_domains_and_fetches_them_first(tiny_check
     result = invoke(*args, "-o", out, "--json")
     assert result.exit_code == 0, result.output
     domains = json.loads(result.stdout)["domains"]
-    assert set(domains) == {"wiki-sample", "c4-sample", "code-sample"}
-    for figure in domains.values():
+    assert set(domains["scores"]) == {"wiki-sample", "c4-sample", "code-sample"}
+    for figure in domains["scores"].values():
         assert figure["ratio"] == pytest.approx(figure["after"] / figure["before"])
+    assert domains["worst"] == max(domains["scores"], key=lambda d: domains["scores"][d]["ratio"])
     card = (out / "README.md").read_text()
     assert "c4-sample eval part, first 128 tokens" in card and "the worst domain" in card
     table = invoke(*args, "-o", tmp_path / "mla2", "--eval-domains", "code-sample")

@@ -66,3 +66,10 @@ def test_unknown_harness_task_is_refused_before_loading(tiny_checkpoints, task_d
     result = CliRunner().invoke(app, ["eval", "tasks", str(tiny_checkpoints["llama-gqa"]), "--tasks", "none",
                                       "--lm-eval", "no_such_task", "--lm-eval-include", str(task_dir)])
     assert result.exit_code == 2 and "no task 'no_such_task'" in result.stderr and "Loading" not in result.stderr
+
+
+def test_missing_task_data_is_one_clear_line_before_loading(tiny_checkpoints, task_dir, tmp_path):
+    (task_dir / "tiny_choice.yaml").write_text(TASK.format(data=tmp_path / "missing.jsonl"), encoding="utf-8")
+    result = CliRunner().invoke(app, ["eval", "tasks", str(tiny_checkpoints["llama-gqa"]), "--tasks", "none",
+                                      "--lm-eval", "attnsurg_tiny_choice", "--lm-eval-include", str(task_dir)])
+    assert result.exit_code == 2 and "could not load the data" in result.stderr and "Loading" not in result.stderr

@@ -169,7 +169,8 @@ def test_passkey_prompts_fit_their_length_and_hide_the_key(tokenizer):
 
 def test_passkey_lengths_stop_at_the_context():
     assert default_lengths(8192) == [512, 1024, 2048, 4096]
-    assert default_lengths(8192, longest=8192) == [512, 1024, 2048, 4096, 8192]
+    assert default_lengths(8192, longest=8192) == [512, 1024, 2048, 4096]  # 8192 + the generated tokens do not fit
+    assert default_lengths(32768, longest=8192) == [512, 1024, 2048, 4096, 8192]
     assert default_lengths(3000) == [512, 1024, 2048]
     with pytest.raises(UserError, match="beyond the model's context"):
         check_lengths([1024, 4096], 2048)

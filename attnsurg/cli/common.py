@@ -14,6 +14,7 @@ from rich.console import Console
 import attnsurg
 from attnsurg import ui
 from attnsurg.errors import UserError
+from attnsurg.recipe import EVAL_DOMAINS
 
 app = typer.Typer(
     help="Attention surgery for pretrained causal language models.",
@@ -21,7 +22,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-eval_app = typer.Typer(help="Measure models: perplexity and cost, side by side.", no_args_is_help=True)
+eval_app = typer.Typer(help="Measure models side by side: perplexity on every domain, downstream tasks, speed.", no_args_is_help=True)
 assets_app = typer.Typer(help="Built-in demo model and sample texts, fetched at run time.")
 app.add_typer(eval_app, name="eval")
 recipe_app = typer.Typer(help="Check recipes and list the ones that ship with attnsurg.", no_args_is_help=True)
@@ -105,7 +106,9 @@ EvalDomains = Annotated[
     typer.Option("--eval-domains", help="Built-in texts also scored before/after (their eval parts), comma-separated; "
                  "'all' for the six samples, 'none' to skip."),
 ]
-DEFAULT_EVAL_DOMAINS = "wiki-sample,c4-sample,code-sample"
+DEFAULT_EVAL_DOMAINS = ",".join(EVAL_DOMAINS)
+EvalDType = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")]
+EvalDevice = Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
 Seed = Annotated[int, typer.Option("--seed")]
@@ -130,6 +133,7 @@ def eval_domains_from(value: str) -> list[str]:
     if value.strip().lower() == "none":
         return []
     names = parse_datasets(value)
-    if "wikitext2" in names:
-        raise UserError("--eval-domains takes the built-in samples; wikitext2 needs the hub (attnsurg eval perplexity --dataset wikitext2)")
-    return [n for n in names if n in DOMAINS]
+    others = [n for n in names if n not in DOMAINS]
+    if others:
+        raise UserError(f"--eval-domains takes built-in samples ({', '.join(DOMAINS)}), all or none, not '{others[0]}'")
+    return names

@@ -12,6 +12,8 @@ from rich.table import Table
 
 from attnsurg.cli.common import (
     AllowPickle,
+    EvalDevice,
+    EvalDType,
     JsonFlag,
     TrustRemoteCode,
     eval_app,
@@ -37,8 +39,8 @@ def eval_perplexity(
     ] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Use only the first N tokens.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")] = 1,
-    dtype: Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")] = "auto",
-    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    dtype: EvalDType = "auto",
+    device: EvalDevice = "auto",
     seed: Annotated[int, typer.Option("--seed")] = 0,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
@@ -142,12 +144,12 @@ def eval_tasks(
     lm_eval_include: Annotated[
         Optional[Path], typer.Option("--lm-eval-include", help="A folder of extra lm-evaluation-harness task YAML files.")
     ] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="At most N items per task (facts, cloze); default all.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="At most N items per task (facts, cloze, lm-eval); default all.")] = None,
     passkey_lengths: Annotated[
         Optional[str], typer.Option("--passkey-lengths", help="Prompt lengths in tokens, e.g. 512,2048 [default: 512, 1024, ... up to the model's context].")
     ] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")] = "auto",
-    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    dtype: EvalDType = "auto",
+    device: EvalDevice = "auto",
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
@@ -158,9 +160,15 @@ def eval_tasks(
     from attnsurg.eval.tasks import parse_tasks, run_tasks
     from attnsurg.recipe import ModelRef, TasksEval
 
+    chosen = parse_tasks(tasks)
+    if passkey_lengths and "passkey" not in chosen:
+        raise UserError("--passkey-lengths applies to the passkey task; add it to --tasks")
+    if lm_eval_include and not lm_eval:
+        raise UserError("--lm-eval-include adds task files for --lm-eval; name the tasks with --lm-eval")
+
     request = TasksEval(
         models=[ModelRef(ref=m, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle) for m in models],
-        tasks=parse_tasks(tasks),
+        tasks=chosen,
         lm_eval=[t.strip() for t in lm_eval.split(",") if t.strip()] if lm_eval else [],
         lm_eval_include=lm_eval_include,
         limit=limit,
@@ -182,9 +190,12 @@ def eval_tasks(
 
 def parse_int_list(value: str, flag: str) -> list[int]:
     try:
-        return [int(part) for part in value.split(",") if part.strip()]
+        numbers = [int(part) for part in value.split(",") if part.strip()]
     except ValueError:
-        raise UserError(f"{flag} expects comma-separated integers such as 1024,4096, got '{value}'") from None
+        numbers = []
+    if not numbers:
+        raise UserError(f"{flag} expects comma-separated integers such as 1024,4096, got '{value}'")
+    return numbers
 
 
 TASK_COLUMNS = {  # (task, metric) -> column title
@@ -262,8 +273,8 @@ def eval_speed(
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Greedy decode steps after each prefill.")] = 64,
     repeats: Annotated[int, typer.Option("--repeats", help="Timed repetitions (medians are reported).")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs before the timed ones, per context.")] = 1,
-    dtype: Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")] = "auto",
-    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    dtype: EvalDType = "auto",
+    device: EvalDevice = "auto",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 0,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,

@@ -73,9 +73,13 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
     print_ppl(report)
 
 
-def domains_record(report) -> dict[str, dict[str, float]]:
-    return {name: {"before": before, "after": after, "ratio": after / before}
-            for name, (before, after) in getattr(report, "domains", {}).items()}
+def domains_record(report, first: str = "before") -> dict:
+    """ppl off the calibration text per domain (``first``: what the first figure is), and the worst domain."""
+    from attnsurg.pipeline import worst_domain
+
+    scores = getattr(report, "domains", {})
+    record = {name: {first: before, "after": after, "ratio": after / before} for name, (before, after) in scores.items()}
+    return {"scores": record, "worst": worst_domain(scores)}
 
 
 def print_domains(report, before: str = "") -> None:
@@ -205,7 +209,7 @@ def print_heal_report(recipe, report, dry_run: bool, json_output: bool) -> None:
     if json_output:
         record = {"written": report.written, "seconds": report.seconds, "peak_memory_gb": report.peak_memory_gb,
                   "ppl_teacher": report.ppl_teacher, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-                  "heal": heal_record(report.heal), "domains": domains_record(report)}
+                  "heal": heal_record(report.heal), "domains": domains_record(report, first="teacher")}
         print(json.dumps(record, indent=2))
         return
     if dry_run:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.errors import UserError
 from attnsurg.info import inspect_model
 from attnsurg.io.load import ModelSource, load_model, load_tokenizer, resolve_device, resolve_dtype
 from attnsurg.recipe import ModelRef
@@ -34,11 +36,18 @@ class Loaded:
         return getattr(self.config, "max_position_embeddings", None)
 
 
-def check_models_exist(models: list[ModelRef]) -> None:
-    """Every reference resolves and has a readable config, before any model is loaded (a typo in the
-    last path fails in a second, not after the first model has been scored)."""
+def check_models(models: list[ModelRef], check: Callable[[ModelRef, PretrainedConfig], None] | None = None) -> None:
+    """Every reference resolves, appears once and has a readable config, and passes ``check`` (a length
+    against its context, say), before any weights load: a typo or a too-long context for the last model
+    fails in a second, not after the first model has been scored."""
+    seen = set()
     for ref in models:
-        inspect_model(ref)
+        if ref.ref in seen:
+            raise UserError(f"'{ref.ref}' is named twice; name each model once")
+        seen.add(ref.ref)
+        _, config, _ = inspect_model(ref)
+        if check is not None:
+            check(ref, config)
 
 
 def prepare_for_eval(ref: ModelRef, device_name: str, dtype_name: str) -> Loaded:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import inspect
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,8 +21,9 @@ from transformers import PreTrainedModel, set_seed
 from attnsurg import ui
 from attnsurg.data import Text, load_text
 from attnsurg.errors import UserError
+from attnsurg.eval.tasks.scoring import keeps_logits
 from attnsurg.eval.windows import Window, count_words, plan_windows, scored_text
-from attnsurg.eval.loading import check_models_exist, load_weights, prepare_for_eval
+from attnsurg.eval.loading import check_models, load_weights, prepare_for_eval
 from attnsurg.recipe import ModelRef, PerplexityEval, TextData
 
 
@@ -83,7 +83,7 @@ class PerplexityReport:
     texts: list[str] = field(default_factory=list)
     results: list[ModelResult] = field(default_factory=list)
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
-    worst: dict[str, str] = field(default_factory=dict)
+    worst: dict[str, str | None] = field(default_factory=dict)  # None for the reference model
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,10 +113,6 @@ def tokenize(tokenizer, text: str, max_tokens: int | None) -> Tokens:
     ends = [end for _, end in encoded["offset_mapping"][: len(ids)]] if fast else None
     ids = torch.tensor(ids, dtype=torch.long)
     return Tokens(ids, ends, hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:12])
-
-
-def accepts_logits_to_keep(model: PreTrainedModel) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def batches(windows: list[Window], batch_size: int) -> list[list[Window]]:
@@ -156,7 +152,7 @@ def score_windows(
 ) -> Score:
     score = Score()
     groups = batches(windows, batch_size)
-    keep_logits = accepts_logits_to_keep(model)
+    keep_logits = keeps_logits(model)
     with ui.progress_bar(f"Scoring {label}", total=len(windows), unit="windows") as advance:
         for batch in groups:
             start = time.perf_counter()
@@ -291,7 +287,7 @@ def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window])
 def run_perplexity(request: PerplexityEval) -> PerplexityReport:
     """Evaluate every model of the request on the same texts and windows, one model in memory at a time."""
     set_seed(request.seed)
-    check_models_exist(request.models)
+    check_models(request.models, lambda ref, config: check_window_fits(request, config, ref.ref))
     texts = [load_text(data.dataset, data.text, data.part) for data in request.texts]
     report = PerplexityReport(
         text=", ".join(t.name for t in texts),
@@ -317,4 +313,4 @@ def add_ratios(report: PerplexityReport) -> None:
         result.ratio = result.ppl / report.row(reference, result.text).ppl
         report.ratios.setdefault(result.model, {})[result.text] = result.ratio
     for model, ratios in report.ratios.items():
-        report.worst[model] = max(ratios, key=ratios.get)
+        report.worst[model] = max(ratios, key=ratios.get) if model != reference else None

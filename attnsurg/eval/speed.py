@@ -23,9 +23,9 @@ import torch
 
 from attnsurg import ui
 from attnsurg.errors import UserError
-from attnsurg.eval.loading import Loaded, check_models_exist, load_weights, prepare_for_eval
+from attnsurg.eval.loading import Loaded, check_models, load_weights, prepare_for_eval
 from attnsurg.eval.tasks.scoring import cache_argument, keeps_logits, returned_cache
-from attnsurg.recipe import SpeedEval
+from attnsurg.recipe import ModelRef, SpeedEval
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
 STATUS = Path("/proc/self/status")
@@ -92,14 +92,16 @@ def cache_bytes(cache) -> int:
     return sum(storages.values())
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a fresh peak; False where that is impossible (the figure would be the process's lifetime peak)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    elif CLEAR_REFS.exists():
-        try:
-            CLEAR_REFS.write_text("5")  # resets VmHWM (Linux >= 4.0)
-        except OSError:
-            pass
+        return True
+    try:
+        CLEAR_REFS.write_text("5")  # resets VmHWM (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
 
 
 def peak_memory(device: torch.device) -> int | None:
@@ -143,12 +145,13 @@ def measure_context(loaded: Loaded, context: int, request: SpeedEval) -> Context
     peak = None
     for repeat in range(request.warmup + request.repeats):
         gc.collect()
-        reset_peak_memory(loaded.device)
+        fresh_peak = reset_peak_memory(loaded.device)
         prefill, decode, cache = prefill_and_decode(loaded.model, ids, request.new_tokens)
         if repeat >= request.warmup:
             prefills.append(prefill)
             decodes.append(decode)
-            peak = max(peak or 0, peak_memory(loaded.device) or 0) or None
+            if fresh_peak:
+                peak = max(peak or 0, peak_memory(loaded.device) or 0) or None
             held = cache_bytes(cache)
         del cache
     tokens = context + request.new_tokens
@@ -164,11 +167,11 @@ def measure_context(loaded: Loaded, context: int, request: SpeedEval) -> Context
     )
 
 
-def check_contexts(request: SpeedEval, loaded: Loaded) -> None:
-    limit = loaded.max_positions
+def check_contexts(request: SpeedEval, ref: ModelRef, config) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
     too_long = [c for c in request.contexts if limit and c + request.new_tokens > limit]
     if too_long:
-        raise UserError(f"context {too_long[0]} + {request.new_tokens} new tokens is beyond '{loaded.ref.ref}' "
+        raise UserError(f"context {too_long[0]} + {request.new_tokens} new tokens is beyond '{ref.ref}' "
                         f"({limit} positions); use --context up to {limit - request.new_tokens}")
 
 
@@ -185,11 +188,10 @@ def add_ratios(report: SpeedReport) -> None:
 
 
 def run_speed(request: SpeedEval) -> SpeedReport:
-    check_models_exist(request.models)
+    check_models(request.models, lambda ref, config: check_contexts(request, ref, config))
     report = SpeedReport(contexts=list(request.contexts), new_tokens=request.new_tokens, repeats=request.repeats)
     for ref in request.models:
         loaded = prepare_for_eval(ref, request.device, request.dtype)
-        check_contexts(request, loaded)
         load_weights(loaded)
         record = ModelSpeed(ref.ref, loaded.anatomy.model_type, loaded.dtype_name, str(loaded.device),
                             loaded.anatomy.kv_bytes_per_token(loaded.dtype_name))

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from attnsurg.errors import UserError
-from attnsurg.eval.loading import Loaded, check_models_exist, load_weights, prepare_for_eval
+from attnsurg.eval.loading import Loaded, check_models, load_weights, prepare_for_eval
 from attnsurg.eval.tasks.base import TaskResult, retained
 from attnsurg.eval.tasks.cloze import load_cloze_items, score_cloze
 from attnsurg.eval.tasks.facts import load_fact_items, score_facts
@@ -47,26 +47,35 @@ class TasksReport:
         return record
 
 
-def passkey_lengths(request: TasksEval, loaded: Loaded) -> list[int]:
-    limit = loaded.max_positions or 2048
+def passkey_lengths(request: TasksEval, config) -> list[int]:
+    limit = getattr(config, "max_position_embeddings", None) or 2048
     lengths = request.passkey_lengths or default_lengths(limit)
     check_lengths(lengths, limit)
     return lengths
 
 
-def score_model(request: TasksEval, loaded: Loaded) -> ModelTasks:
+def shared_items(request: TasksEval) -> dict[str, list]:
+    """The facts and cloze items every model is scored on, built once before any model loads."""
+    items: dict[str, list] = {}
+    if "facts" in request.tasks:
+        items["facts"] = load_fact_items()[: request.limit]
+    if "cloze" in request.tasks:
+        items["cloze"] = load_cloze_items(min(request.cloze_items, request.limit or request.cloze_items))
+    return items
+
+
+def score_model(request: TasksEval, loaded: Loaded, items: dict[str, list]) -> ModelTasks:
     record = ModelTasks(loaded.ref.ref, loaded.anatomy.model_type, loaded.dtype_name, str(loaded.device))
     model, tokenizer = loaded.model, loaded.tokenizer
     max_length = min(request.max_length, loaded.max_positions or request.max_length)
     for task in request.tasks:
         if task == "facts":
-            items = load_fact_items()[: request.limit]
-            record.results[task] = score_facts(model, tokenizer, items, max_length)
+            record.results[task] = score_facts(model, tokenizer, items["facts"], max_length)
         elif task == "cloze":
-            items = load_cloze_items(min(request.cloze_items, request.limit or request.cloze_items))
-            record.results[task] = score_cloze(model, tokenizer, items, max_length)
+            record.results[task] = score_cloze(model, tokenizer, items["cloze"], max_length)
         else:
-            record.results[task] = score_passkey(model, tokenizer, passkey_items(tokenizer, passkey_lengths(request, loaded)))
+            lengths = passkey_lengths(request, loaded.config)
+            record.results[task] = score_passkey(model, tokenizer, passkey_items(tokenizer, lengths))
     return record
 
 
@@ -84,23 +93,24 @@ def add_retained(report: TasksReport) -> None:
 
 
 def sample_credits(samples: list[dict]) -> dict[str, list[float]]:
-    """lm-eval's per-document 0/1 metrics (acc, acc_norm, exact_match...), in document order."""
+    """lm-eval's per-document right/wrong metrics (acc, acc_norm, exact_match...: every value 0 or 1), in
+    document order; graded metrics (f1, bleu) have no "right answer" to keep."""
     ordered = sorted(samples, key=lambda sample: sample["doc_id"])
-    metrics = {key for sample in ordered for key, value in sample.items() if key != "doc_id" and value in (0, 1, 0.0, 1.0)}
-    return {metric: [float(sample.get(metric, 0.0)) for sample in ordered] for metric in sorted(metrics)}
+    names = {key for sample in ordered for key in sample if key != "doc_id"}
+    binary = [name for name in sorted(names) if all(sample.get(name) in (0, 1) for sample in ordered)]
+    return {name: [float(sample[name]) for sample in ordered] for name in binary}
 
 
 def run_tasks(request: TasksEval) -> TasksReport:
     """Score every model of the request on the same task items."""
-    check_models_exist(request.models)
+    check_models(request.models, lambda ref, config: passkey_lengths(request, config) if "passkey" in request.tasks else None)
     manager = check_harness_tasks(request.lm_eval, request.lm_eval_include) if request.lm_eval else None
+    items = shared_items(request)
     report = TasksReport(tasks=list(request.tasks), lm_eval=list(request.lm_eval))
     for ref in request.models:
         loaded = prepare_for_eval(ref, request.device, request.dtype)
-        if "passkey" in request.tasks:
-            passkey_lengths(request, loaded)  # a length beyond the context fails before the weights load
         load_weights(loaded)
-        record = score_model(request, loaded)
+        record = score_model(request, loaded, items)
         if manager is not None:
             record.harness = run_harness(loaded.model, loaded.tokenizer, request.lm_eval, manager, request.limit)
         report.models.append(record)
@@ -115,7 +125,7 @@ def parse_tasks(value: str) -> list[str]:
 
     if value.strip().lower() == "none":
         return []
-    names = [name.strip() for name in value.split(",") if name.strip()]
+    names = list(dict.fromkeys(name.strip() for name in value.split(",") if name.strip()))
     unknown = [name for name in names if name not in TASK_NAMES]
     if unknown or not names:
         raise UserError(f"unknown task '{unknown[0] if unknown else value}'; choose from {', '.join(TASK_NAMES)} "

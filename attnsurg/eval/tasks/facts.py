@@ -13,6 +13,7 @@ import json
 import random
 import re
 import time
+from itertools import zip_longest
 
 from attnsurg.errors import UserError
 from attnsurg.eval.tasks.base import ChoiceItem, TaskResult, mean, multiple_choice
@@ -20,6 +21,7 @@ from attnsurg.eval.tasks.base import ChoiceItem, TaskResult, mean, multiple_choi
 CONTINENTS = {"AF": "Africa", "AS": "Asia", "EU": "Europe", "NA": "North America", "SA": "South America",
               "OC": "Oceania", "AN": "Antarctica"}
 MIN_POPULATION = 100_000
+DEFUNCT = {"CS", "AN"}  # Serbia and Montenegro, Netherlands Antilles: still in the table, no longer countries
 CHOICES = 4
 # Names read with "the" in running text.
 NEEDS_ARTICLE = re.compile(r"^(United|Democratic|Central African|Dominican|Republic|Czech|Palestinian|U\.S\.)|"
@@ -43,7 +45,8 @@ def usable_countries(table: dict[str, dict]) -> list[dict]:
     rows = []
     for row in table.values():
         capital = (row.get("capital") or "").strip()
-        if capital and row.get("population", 0) >= MIN_POPULATION and row.get("continentcode") in CONTINENTS:
+        usable = row.get("population", 0) >= MIN_POPULATION and row.get("continentcode") in CONTINENTS
+        if capital and usable and row.get("iso") not in DEFUNCT:
             rows.append({**row, "capital": capital})
     return rows
 
@@ -87,8 +90,10 @@ def continent_items(countries: list[dict]) -> list[ChoiceItem]:
 
 
 def fact_items(table: dict[str, dict]) -> list[ChoiceItem]:
+    """Capital and continent items interleaved, so any first N items mix both kinds."""
     countries = usable_countries(table)
-    return capital_items(countries) + continent_items(countries)
+    kinds = zip_longest(capital_items(countries), continent_items(countries))
+    return [item for pair in kinds for item in pair if item is not None]
 
 
 def load_fact_items() -> list[ChoiceItem]:

@@ -35,6 +35,17 @@ def check_harness_tasks(tasks: list[str], include: Path | None):
     if unknown:
         raise UserError(f"lm-evaluation-harness has no task '{unknown[0]}'; list them with `lm-eval ls tasks`, or "
                         "add a folder of task YAML files with --lm-eval-include")
+    try:  # the tasks' data, fetched now rather than after a model has loaded
+        if hasattr(manager, "load"):
+            manager.load(tasks)
+        else:  # lm-eval before 0.4.10
+            from lm_eval.tasks import get_task_dict
+
+            get_task_dict(tasks, manager)
+    except Exception as exc:  # the harness raises hub, datasets and YAML errors alike
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"lm-evaluation-harness could not load the data of {', '.join(tasks)} ({first}); it needs a "
+                        "network or its cache, or local task files (--lm-eval-include)") from None
     return manager
 
 

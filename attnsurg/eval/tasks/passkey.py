@@ -24,6 +24,7 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is"
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 FIRST_LENGTH = 512
+NEW_TOKENS = 8  # generated after the prompt: the key and a little more
 DEFAULT_LONGEST = 4096  # 8192 tokens cost a minute a prompt on 2 CPU cores; ask for them by name
 KEY_SEED = 0
 
@@ -38,19 +39,22 @@ class PasskeyItem:
 
 
 def default_lengths(max_positions: int, longest: int = DEFAULT_LONGEST) -> list[int]:
-    """512, 1024, 2048, ... up to the model's context or ``longest``, whichever is shorter."""
+    """512, 1024, 2048, ... up to the model's context (less the generated tokens) or ``longest``."""
     lengths, length = [], FIRST_LENGTH
-    while length <= min(max_positions, longest):
+    while length <= min(max_positions - NEW_TOKENS, longest):
         lengths.append(length)
         length *= 2
     return lengths
 
 
 def check_lengths(lengths: list[int], max_positions: int) -> None:
-    too_long = [n for n in lengths if n > max_positions]
+    if not lengths:
+        raise UserError(f"the model's context ({max_positions} positions) is shorter than the shortest default passkey "
+                        f"length ({FIRST_LENGTH}); give --passkey-lengths")
+    too_long = [n for n in lengths if n + NEW_TOKENS > max_positions]
     if too_long:
-        raise UserError(f"passkey length {too_long[0]} is beyond the model's context ({max_positions} positions); "
-                        f"use --passkey-lengths up to {max_positions}")
+        raise UserError(f"passkey length {too_long[0]} (+ {NEW_TOKENS} generated tokens) is beyond the model's context "
+                        f"({max_positions} positions); use --passkey-lengths up to {max_positions - NEW_TOKENS}")
     if any(n < 64 for n in lengths):
         raise UserError("passkey lengths must be at least 64 tokens")
 
@@ -88,7 +92,7 @@ def score_passkey(model, tokenizer, items: list[PasskeyItem]) -> TaskResult:
     start = time.perf_counter()
     hits = []
     for item in items:
-        generated = tokenizer.decode(greedy_generate(model, encode(tokenizer, item.prompt), max_new_tokens=8))
+        generated = tokenizer.decode(greedy_generate(model, encode(tokenizer, item.prompt), NEW_TOKENS))
         hits.append(1.0 if retrieved(generated, item.key) else 0.0)
     per_length: dict[str, float] = {}
     for length in sorted({item.length for item in items}):

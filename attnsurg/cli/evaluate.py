@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -207,6 +208,10 @@ TASK_COLUMNS = {  # (task, metric) -> column title
 }
 
 
+def kept_text(kept: float) -> str:
+    return "-" if math.isnan(kept) else f"{kept:.3f}"  # nan: the first model got none right
+
+
 def task_cell(model, task: str, metric: str, first: bool) -> str:
     result = model.results.get(task)
     if result is None:
@@ -214,7 +219,7 @@ def task_cell(model, task: str, metric: str, first: bool) -> str:
     value = result.metrics[metric]
     cell = f"{value:.2f}" if metric == "ppl" else f"{value:.3f}"
     kept = model.retained.get(task, {}).get(metric)
-    return cell if first or kept is None else f"{cell}\n[dim]keeps {kept:.3f}[/]"
+    return cell if first or kept is None else f"{cell}\n[dim]keeps {kept_text(kept)}[/]"
 
 
 def tasks_table(report) -> Table:
@@ -247,7 +252,7 @@ def harness_table(report) -> Table:
         for task, metric in columns:
             value = model.harness[task]["metrics"][metric]
             kept = model.harness_retained.get(task, {}).get(metric.split(",")[0])
-            cells.append(f"{value:.3f}" if index == 0 or kept is None else f"{value:.3f}\n[dim]keeps {kept:.3f}[/]")
+            cells.append(f"{value:.3f}" if index == 0 or kept is None else f"{value:.3f}\n[dim]keeps {kept_text(kept)}[/]")
         table.add_row(escape(model.model), *cells)
     return table
 

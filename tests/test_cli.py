@@ -224,3 +224,9 @@ def test_surgery_scores_the_evaluation_domains_and_fetches_them_first(tiny_check
     assert_user_error(invoke(*args, "-o", tmp_path / "offline"), "--eval-domains none")
     assert not (tmp_path / "offline").exists()
     assert invoke(*args, "-o", tmp_path / "offline", "--eval-domains", "none").exit_code == 0
+
+
+def test_error_text_is_printed_as_written(tmp_path):
+    """Brackets in a path are text, not console markup."""
+    assert_user_error(invoke("info", tmp_path / "runs" / "exp[/old]"), "exp[/old]")
+    assert_user_error(invoke("info", tmp_path / "run[bold]" / "model[v2]"), "run[bold]", "model[v2]")

@@ -80,3 +80,17 @@ def test_crash_during_overwrite_keeps_the_old_checkpoint(tiny, tmp_path, monkeyp
         write_checkpoint(model, tokenizer, out, CARD, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == before
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_checkpoint_modes_follow_the_umask(tiny, tmp_path):
+    import os
+    import stat
+
+    model, tokenizer = tiny
+    previous = os.umask(0o022)
+    try:
+        out = write_checkpoint(model, tokenizer, tmp_path / "shared", CARD)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()} == {0o644}

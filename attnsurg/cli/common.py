@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 import attnsurg
 from attnsurg import ui
@@ -41,10 +42,10 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except UserError as exc:
-            ui.console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            ui.console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(UserError.exit_code)
         except ValidationError as exc:
-            ui.console.print(f"[bold red]error:[/] {validation_message(exc)}", highlight=False, soft_wrap=True)
+            ui.console.print(f"[bold red]error:[/] {escape(validation_message(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(UserError.exit_code)
 
     return wrapper

@@ -50,11 +50,27 @@ def write_checkpoint(
         for name, content in (extra_files or {}).items():
             (staging / name).write_text(content, encoding="utf-8")
         render_card(card).save(staging / "README.md")
+        share_as_umask_allows(staging)
         replace_directory(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def share_as_umask_allows(root: Path) -> None:
+    """Give the staged checkpoint the modes a plain ``mkdir``/``open`` would (the temporary directory is
+    created private, 700), so other accounts and serving processes can read it where the umask allows."""
+    mask = current_umask()
+    root.chmod(0o777 & ~mask)
+    for path in root.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def replace_directory(staging: Path, out: Path) -> None:

@@ -95,7 +95,8 @@ def print_table(rows: list[dict], settings: dict) -> None:
     for row in rows:
         cells = [row["name"], f"{row['kv_bytes_per_token']:,}"]
         cells += [f"x{row['ratios'][d]:.3f}" for d in DOMAINS]
-        cells.append(f"x{row['ratios'][row['worst']]:.3f} {row['worst'].removesuffix('-sample')}")
+        worst = f"x{row['ratios'][row['worst']]:.3f} {row['worst'].removesuffix('-sample')}"
+        cells.append("-" if row["name"] == "original" else worst)
         if tasks:
             cells += [f"{value:.3f} ({share:.3f})" for value, share in zip(row["facts"], row["facts_kept"])]
             cells.append(f"{row['cloze_acc']:.3f}")

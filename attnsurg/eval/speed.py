@@ -24,7 +24,7 @@ import torch
 from attnsurg import ui
 from attnsurg.errors import UserError
 from attnsurg.eval.loading import Loaded, check_models, load_weights, prepare_for_eval
-from attnsurg.eval.tasks.scoring import cache_argument, keeps_logits, returned_cache
+from attnsurg.eval.tasks.scoring import cached_forward, returned_cache
 from attnsurg.recipe import ModelRef, SpeedEval
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -122,17 +122,14 @@ def synchronize(device: torch.device) -> None:
 def prefill_and_decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, object]:
     """Seconds of the prefill, seconds of ``new_tokens`` greedy steps, and the cache at the end."""
     device = ids.device
-    keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
-    name = cache_argument(model)
     synchronize(device)
     start = time.perf_counter()
-    out = model(input_ids=ids, use_cache=True, **keep)
+    out = cached_forward(model, ids)
     synchronize(device)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(new_tokens):
-        token = out.logits[:, -1:].argmax(-1)
-        out = model(input_ids=token, use_cache=True, **{name: returned_cache(out)}, **keep)
+        out = cached_forward(model, out.logits[:, -1:].argmax(-1), out)
     synchronize(device)
     return prefill, time.perf_counter() - start, returned_cache(out)
 

@@ -103,13 +103,19 @@ def returned_cache(output):
     return cache if cache is not None else output.get("past_key_values")
 
 
+def cached_forward(model, input_ids: torch.Tensor, previous=None):
+    """One forward that keeps a KV cache: a prefill (``previous`` None) or a step on the cache the previous
+    output returned; logits of the last position only."""
+    keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
+    cache = {} if previous is None else {cache_argument(model): returned_cache(previous)}
+    return model(input_ids=input_ids, use_cache=True, **cache, **keep)
+
+
 @torch.inference_mode()
 def greedy_generate(model, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
     """Argmax decoding with the model's own KV cache (prefill once, then one token at a time)."""
     device = model_device(model)
-    keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
-    name = cache_argument(model)
-    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, **keep)
+    out = cached_forward(model, torch.tensor([prompt], device=device))
     generated: list[int] = []
     for step in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())
@@ -117,6 +123,5 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int, stop_ids: set
             break
         generated.append(token)
         if step + 1 < max_new_tokens:
-            step_input = torch.tensor([[token]], device=device)
-            out = model(input_ids=step_input, use_cache=True, **{name: returned_cache(out)}, **keep)
+            out = cached_forward(model, torch.tensor([[token]], device=device), out)
     return generated

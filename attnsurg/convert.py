@@ -39,14 +39,14 @@ class ConvertReport:
 
 def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
     """Per layer (identical in every layer): the dry-run plan."""
-    d, H, D = plan.head_dim, plan.num_heads, anatomy.hidden_size
     before = anatomy.attention_parameters // anatomy.num_layers
-    after = H * (plan.qk_nope_dim + plan.rope_dim) * D + (plan.kv_rank + 1 + plan.rope_dim) * (D + 1)
-    after += (plan.kv_rank + 1) + H * (plan.qk_nope_dim + d) * (plan.kv_rank + 1) + D * H * d + D
+    after = plan.attention_parameters(anatomy.hidden_size)
     return [
         {
             "layer": i,
             "latent_rank": plan.kv_rank,
+            "norm_channel": plan.exact,
+            "format": plan.format,
             "rope_dims": plan.rope_dim,
             "qk_nope_dim": plan.qk_nope_dim,
             "kv_values_before": plan.original_values,
@@ -60,7 +60,7 @@ def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
 
 def plan_request(request: ConvertMLA):
     source, _, anatomy = inspect_model(request.model)
-    plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim, request.rope_layout)
+    plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim, request.rope_layout, request.format)
     return source, anatomy, plan
 
 
@@ -97,11 +97,17 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
 
 LAYOUT_NOTES = {
     "standard": "The RoPE key uses the standard interleaved layout (`rope_interleave: true`) with plain RoPE at "
-    "the kept frequencies (`rope_theta` adjusted), which vLLM and SGLang read as well.",
+    "the kept frequencies (`rope_theta` adjusted).",
     "flexible": "The RoPE key uses the flexible layout: a frequency may appear once per original KV head, "
-    "expressed with transformers' `longrope` per-pair factors. Stock transformers reads it; DeepSeek loaders in "
-    "vLLM and SGLang expect plain or YaRN RoPE and do not read it. Convert with `--rope-layout standard` "
-    "for those engines.",
+    "expressed with transformers' `longrope` per-pair factors, which DeepSeek loaders outside transformers do "
+    "not read (they expect plain or YaRN RoPE); convert with `--rope-layout standard` for other engines.",
+}
+FORMAT_NOTES = {
+    "native": "Engine-native format: no attention biases and a fitted latent RMSNorm, the layout of DeepSeek's own "
+    "checkpoints; `attnsurg export --gguf` writes it for llama.cpp.",
+    "exact": "Exact format: a constant latent channel (an attention bias) neutralises the latent RMSNorm, so a full "
+    "budget reproduces the source; only transformers runs it (other engines' DeepSeek graphs have no attention "
+    "biases). Convert with `--format native` for other engines.",
 }
 
 
@@ -122,13 +128,15 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
         title=f"{request.model.ref} as multi-head latent attention (DeepseekV3)",
         summary=(
             "Attention converted from grouped-query to DeepSeek-style multi-head latent attention by attnsurg. "
-            "Loads with stock transformers (`model_type: deepseek_v3`, no remote code). " + LAYOUT_NOTES[plan.layout]
+            "Loads with stock transformers (`model_type: deepseek_v3`, no remote code). " + FORMAT_NOTES[plan.format]
+            + " " + LAYOUT_NOTES[plan.layout]
         ),
         base_model=base_model_id(request.model.ref),
         command=command_line(),
         details=[
             f"KV budget: {plan.cached_values} of {plan.original_values} values per layer per token "
-            f"(latent {plan.kv_rank} + 1 norm channel + {plan.rope_dim} RoPE dims, {plan.layout} layout; "
+            f"(latent {plan.kv_rank}{' + 1 norm channel' if plan.exact else ''} + {plan.rope_dim} RoPE dims, "
+            f"{plan.format} format, {plan.layout} layout; "
             f"RoPE components kept per frequency, highest first: {list(plan.counts)})",
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}",
             f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "

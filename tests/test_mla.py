@@ -30,7 +30,7 @@ def converted_error(model, plan, ids, weighted=True, refine_steps=0) -> float:
 def test_full_budget_is_exact_when_one_kv_head_holds_all_rope():
     """With G = 1 the shared RoPE key loses nothing, so the full budget reproduces the logits."""
     model = build_tiny("llama", 384, num_key_value_heads=1)
-    plan = plan_mla(inspect_config(model.config), kv_budget=1.0)
+    plan = plan_mla(inspect_config(model.config), kv_budget=1.0, format="exact")
     assert plan.kv_rank == plan.full_rank and plan.rope_dim == 16
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
     assert converted_error(model, plan, ids) < 1e-4
@@ -147,7 +147,7 @@ def test_full_budget_flexible_layout_is_exact(family, kv_heads):
     """The flexible layout keeps every RoPE component of every frequency: nothing is lost at full budget
     (GQA, MHA, and Qwen2 with q/k/v biases through the q_a / q_b route)."""
     model = build_tiny(family, 384, num_key_value_heads=kv_heads)
-    plan = plan_mla(inspect_config(model.config), kv_budget=1.0, layout="flexible")
+    plan = plan_mla(inspect_config(model.config), kv_budget=1.0, layout="flexible", format="exact")
     assert plan.rope_dim == kv_heads * 16 and plan.cached_values == plan.original_values + 1
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
     assert converted_error(model, plan, ids) < 1e-4
@@ -168,12 +168,14 @@ def test_error_falls_as_the_latent_grows():
     assert errors == sorted(errors, reverse=True), errors
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha", "mistral", "qwen2"])
-def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, tiny_checkpoints, corpus_file, tmp_path):
+@pytest.mark.parametrize("variant,format", [("llama-gqa", "native"), ("llama-mha", "native"), ("mistral", "native"),
+                                            ("qwen2", "native"), ("qwen2", "exact")])
+def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, format, tiny_checkpoints, corpus_file, tmp_path):
     request = ConvertMLA(
         model=ModelRef(ref=str(tiny_checkpoints[variant])),
         output=tmp_path / "mla",
         kv_budget=0.5,
+        format=format,
         calibration=Calibration(data=TextData(text=corpus_file, part="calib"), tokens=512, seq_len=64),
         eval_tokens=256,
         eval_domains=[],
@@ -185,8 +187,12 @@ def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, tiny_
     ids = torch.randint(0, 384, (1, 20), generator=torch.Generator().manual_seed(0))
     generated = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
     layer = generated.past_key_values.layers[0]
-    assert layer.keys.shape[-1] == report.plan.kv_rank + 1 and layer.values.shape[-1] == report.plan.rope_dim
-    assert report.plan.cached_values == report.plan.original_values // 2 + 1
+    assert layer.keys.shape[-1] == report.plan.latent_width and layer.values.shape[-1] == report.plan.rope_dim
+    assert report.plan.cached_values == report.plan.original_values // 2 + (format == "exact")
+    has_bias = any(name.endswith(".bias") for name in model.state_dict())
+    assert has_bias == (format == "exact") and model.config.attention_bias == (format == "exact")
+    assert sum(p.numel() for p in model.model.layers[0].self_attn.parameters()) == \
+        report.plan.attention_parameters(model.config.hidden_size)
     card = (tmp_path / "mla" / "README.md").read_text()
     assert "ppl" in card and "calibration part" in card
     assert (tmp_path / "mla" / "attnsurg_recipe.yaml").is_file()
@@ -238,7 +244,7 @@ def test_cli_dry_run_prints_the_plan_and_writes_nothing(tiny_checkpoints, tmp_pa
                                  "-o", str(tmp_path / "out"), "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)["plan"]
-    assert len(plan) == 2 and plan[0]["kv_values_before"] == 64 and plan[0]["kv_values_after"] == 33
+    assert len(plan) == 2 and plan[0]["kv_values_before"] == 64 and plan[0]["kv_values_after"] == 32
     assert not (tmp_path / "out").exists()
     bad = runner.invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--kv-budget", "2", "--dry-run"])
     assert bad.exit_code == 2 and "must be in (0, 1]" in bad.stderr

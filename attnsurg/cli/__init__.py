@@ -5,7 +5,7 @@ One module per command (or group); each registers itself on the shared Typer app
 
 from __future__ import annotations
 
-from attnsurg.cli import assets, compress, convert, evaluate, heal, info, recipes  # noqa: F401  (registers commands)
+from attnsurg.cli import assets, compress, convert, evaluate, export, heal, info, recipes  # noqa: F401  (registers commands)
 from attnsurg.cli.common import app
 
 __all__ = ["app", "main"]

@@ -46,6 +46,11 @@ def convert(
         str,
         typer.Option("--rope-layout", help="standard (every engine) or flexible (any frequency, repeats; transformers only)."),
     ] = "standard",
+    format: Annotated[
+        str,
+        typer.Option("--format", help="native (no biases, the latent norm fitted: llama.cpp, vLLM, SGLang, transformers) "
+                     "or exact (full budget reproduces the source; transformers only)."),
+    ] = "native",
     calib_dataset: CalibDataset = "wiki-sample",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
@@ -85,6 +90,7 @@ def convert(
         kv_rank=kv_rank,
         rope_dim=rope_dim,
         rope_layout=rope_layout,
+        format=format,
         weighted=not unweighted,
         refine_steps=refine_steps,
         refine_tokens=refine_tokens,

@@ -14,21 +14,27 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
 3. Latent: the no-RoPE key and the values are compressed jointly into a rank-r latent by PCA of their
    calibration second moment, optionally weighted by what consumes them (the query second moment for keys,
    W_o^T W_o per head group for values, each block rescaled to its unweighted energy), computed in float64.
-4. Latent norm: DeepseekV3 always applies an RMSNorm to the latent. One extra latent channel with zero weights
-   and a constant bias C >> |latent| makes the RMS the same for every token (C / sqrt(r + 1) up to a
-   relative |c|^2 / 2C^2), and the norm weight undoes it, so the latent passes through unchanged.
+4. Latent norm: DeepseekV3 always applies an RMSNorm to the latent, c / rms(c) * w, which rescales each
+   token's keys (no-RoPE part) and values by a factor of its own. Two output formats:
+   - native (default): no biases anywhere, as every engine's DeepSeek graph (llama.cpp, vLLM, SGLang) has
+     none; w starts at the latent's RMS over the calibration tokens and refinement fits the layer with the
+     norm in place (w trains too). The source's attention biases (Qwen2) are dropped and refinement
+     compensates what it can.
+   - exact (transformers only): one extra latent channel with zero weights and a constant bias C >> |latent|
+     makes the RMS the same for every token (C / sqrt(r + 1) up to a relative |c|^2 / 2C^2), and the norm
+     weight undoes it, so the latent passes through unchanged.
 5. The softmax scale of DeepseekV3 is (qk_nope + R)^-1/2: the ratio to the original d^-1/2 is folded into q.
-   Query biases (Qwen2) have no place in DeepseekV3's plain q_proj, so such models route q through
-   q_a -> q_a_layernorm -> q_b: q_a is the identity plus one constant channel (the same norm trick), which the
-   norm turns into exactly 1, and q_b's column for it is the bias.
+   In the exact format, query biases (Qwen2) have no place in DeepseekV3's plain q_proj, so such models route
+   q through q_a -> q_a_layernorm -> q_b: q_a is the identity plus one constant channel (the same norm trick),
+   which the norm turns into exactly 1, and q_b's column for it is the bias.
 6. Refinement (optional, from the closed form): layer by layer, Adam on q_proj, kv_a and kv_b minimizes the
    relative squared error between the converted layer's residual-stream update and what brings the converted
    model's stream back to the original's (layer-wise reconstruction as in BRECQ, Li et al. 2021, carried
    sequentially as in GPTQ). Each token's error is measured relative to the norm of the original stream at
    that token: the next layer reads the stream through an RMSNorm, and without it the first token of every
    window (an attention sink whose residual grows ~10^4 times the others' from the middle layers on) holds
-   over 90% of the squared error. The norm channels stay frozen. The learning rate is constant, or decays on
-   a cosine, which long refinements need.
+   over 90% of the squared error. In the exact format the norm channels stay frozen. The learning rate is
+   constant, or decays on a cosine, which long refinements need.
 """
 
 from __future__ import annotations
@@ -88,7 +94,22 @@ class MLAPlan:
     rope_dim: int
     kv_rank: int
     layout: str = "standard"
-    query_bias: bool = False  # route q through q_a / q_b to carry the bias
+    query_bias: bool = False  # the source has query biases
+    format: str = "native"
+
+    @property
+    def exact(self) -> bool:
+        return self.format == "exact"
+
+    @property
+    def query_route(self) -> bool:
+        """The exact format carries query biases through q_a / q_b."""
+        return self.exact and self.query_bias
+
+    @property
+    def latent_width(self) -> int:
+        """kv_lora_rank: the latent, plus the norm channel in the exact format."""
+        return self.kv_rank + 1 if self.exact else self.kv_rank
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -116,13 +137,24 @@ class MLAPlan:
     def qk_nope_dim(self) -> int:
         return min(self.nope_key_dim, self.kv_rank)
 
+    def attention_parameters(self, hidden: int) -> int:
+        """Parameters of one converted attention layer (q, kv_a, latent norm, kv_b, o; the exact format's biases
+        and query route)."""
+        H, D, R, width = self.num_heads, hidden, self.rope_dim, self.latent_width
+        q_out = H * (self.qk_nope_dim + R)
+        q = (D + 1) * D + 2 * (D + 1) + q_out * (D + 1) if self.query_route else q_out * D
+        kv_a = (width + R) * (D + self.exact)
+        o = H * self.head_dim * D + (D if self.exact else 0)
+        return q + kv_a + width + H * (self.qk_nope_dim + self.head_dim) * width + o
+
     @property
     def cached_values(self) -> int:
-        """Values cached per layer per token: the latent, its norm channel and the RoPE key."""
-        return self.kv_rank + 1 + self.rope_dim
+        """Values cached per layer per token: the latent (with the exact format's norm channel) and the RoPE key."""
+        return self.latent_width + self.rope_dim
 
 
 LAYOUTS = ("standard", "flexible")
+FORMATS = ("native", "exact")
 
 
 def default_rope_dim(values: int, head_dim: int, max_rope: int) -> int:
@@ -141,6 +173,7 @@ def plan_mla(
     kv_rank: int | None = None,
     rope_dim: int | None = None,
     layout: str = "standard",
+    format: str = "native",
 ) -> MLAPlan:
     """Turn a budget (fraction of the original KV cache) or explicit sizes into a plan; clear errors otherwise."""
     reason = unsupported_reason(anatomy)
@@ -151,6 +184,8 @@ def plan_mla(
     original = 2 * G * d
     if layout not in LAYOUTS:
         raise UserError(f"unknown RoPE layout '{layout}'; choose {' or '.join(LAYOUTS)}")
+    if format not in FORMATS:
+        raise UserError(f"unknown MLA format '{format}'; choose {' or '.join(FORMATS)}")
     # The standard layout holds each frequency once; the flexible one up to G times (one per KV head).
     max_rope = d if layout == "standard" else G * d
     if kv_budget is not None and (kv_rank is not None):
@@ -162,12 +197,13 @@ def plan_mla(
             raise UserError(f"--kv-budget must be in (0, 1], got {kv_budget}")
         values = max(2, round(kv_budget * original))
         rope_dim = default_rope_dim(values, d, max_rope) if rope_dim is None else rope_dim
-        kv_rank = values - rope_dim  # the latent-norm channel is one extra value on top of the budget
+        kv_rank = values - rope_dim  # the exact format's norm channel is one extra value on top of the budget
     rope_dim = d if rope_dim is None else rope_dim
     if rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
         where = f"the head dim ({d})" if layout == "standard" else f"KV heads x head dim ({max_rope})"
         raise UserError(f"--rope-dim must be even and between 2 and {where} for the {layout} layout, got {rope_dim}")
-    plan = MLAPlan(anatomy.num_layers, anatomy.num_heads, G, d, rope_dim, int(kv_rank), layout, query_bias=anatomy.q_bias)
+    plan = MLAPlan(anatomy.num_layers, anatomy.num_heads, G, d, rope_dim, int(kv_rank), layout,
+                   query_bias=anatomy.q_bias, format=format)
     if plan.kv_rank < 1:
         raise UserError(f"the budget leaves no latent after {rope_dim} RoPE dims; raise --kv-budget or lower --rope-dim")
     if plan.kv_rank > plan.full_rank:
@@ -178,15 +214,16 @@ def plan_mla(
 # ---------------------------------------------------------------------------------------- the fit
 @dataclass
 class MLAWeights:
-    """One converted layer, in float64: DeepseekV3 attention parameters."""
+    """One converted layer, in float64: DeepseekV3 attention parameters. Widths are for the exact format
+    (the latent-norm channel is the + 1); the native format has no norm channel and no biases (None)."""
 
     q_proj: torch.Tensor  # [H * (qk_nope + R), D]
-    q_bias: torch.Tensor  # [H * (qk_nope + R)], zero without query biases
+    q_bias: torch.Tensor | None  # [H * (qk_nope + R)], zero without query biases
     kv_a_weight: torch.Tensor  # [r + 1 + R, D]
-    kv_a_bias: torch.Tensor  # [r + 1 + R]
+    kv_a_bias: torch.Tensor | None  # [r + 1 + R]
     kv_a_norm: torch.Tensor  # [r + 1]
     kv_b_proj: torch.Tensor  # [H * (qk_nope + d), r + 1]
-    o_bias: torch.Tensor  # [D]
+    o_bias: torch.Tensor | None  # [D]
 
 
 def frequency_rows(head: int, i: int, d: int) -> list[int]:
@@ -290,22 +327,27 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True) -
     scale = math.sqrt((plan.qk_nope_dim + R) / d)
     q_proj = torch.cat([torch.cat([Q_nope[h], Q_rope[h]]) for h in range(H)]) * scale
 
+    kv_b = torch.cat([torch.cat([B_k, B_v[(h // group) * d : (h // group + 1) * d]]) for h in range(H)])
+    if not plan.exact:
+        return native_weights(q_proj, A, K_rope, kv_b, sigma)
     # Latent norm: channel r is a constant C; the RMS is then C / sqrt(r + 1) for every token.
     rms = NORM_CONSTANT / math.sqrt(r + 1)
     constant_row = torch.zeros(1, A.shape[1], dtype=torch.float64)
     constant_row[0, -1] = NORM_CONSTANT
     kv_a = torch.cat([A, constant_row, K_rope])
     kv_a_norm = torch.cat([torch.full((r,), rms, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
-
-    zero_column = torch.zeros(1, dtype=torch.float64)
-    kv_b_rows = []
-    for h in range(H):
-        g = h // group
-        kv_b_rows += [B_k, B_v[g * d : (g + 1) * d]]
-    kv_b = torch.cat(kv_b_rows)
-    kv_b = torch.cat([kv_b, zero_column.expand(kv_b.shape[0], 1)], dim=1)
+    kv_b = torch.cat([kv_b, kv_b.new_zeros(kv_b.shape[0], 1)], dim=1)
     o_bias = attn.o_proj.bias.double() if attn.o_proj.bias is not None else torch.zeros(Wo.shape[0], dtype=torch.float64)
     return MLAWeights(q_proj[:, :-1], q_proj[:, -1], kv_a[:, :-1], kv_a[:, -1], kv_a_norm, kv_b, o_bias)
+
+
+def native_weights(q_proj: torch.Tensor, A: torch.Tensor, K_rope: torch.Tensor, kv_b: torch.Tensor,
+                   sigma: torch.Tensor) -> MLAWeights:
+    """The engine-native layer: bias columns (the source's attention biases) dropped, and the latent norm's
+    weight set to the latent's RMS over the calibration tokens, so a token of typical size passes unchanged."""
+    rms = (torch.trace(A @ sigma @ A.T) / A.shape[0]).sqrt()
+    kv_a_norm = torch.full((A.shape[0],), float(rms), dtype=torch.float64)
+    return MLAWeights(q_proj[:, :-1], None, torch.cat([A, K_rope])[:, :-1], None, kv_a_norm, kv_b, None)
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -345,13 +387,13 @@ def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tens
         num_attention_heads=plan.num_heads,
         num_key_value_heads=plan.num_heads,
         n_shared_experts=1,
-        n_routed_experts=1,
+        n_routed_experts=2,  # unused (every layer dense); llama.cpp asserts n_group < n_routed_experts
         num_experts_per_tok=1,
         n_group=1,
         topk_group=1,
         first_k_dense_replace=c.num_hidden_layers,
-        kv_lora_rank=plan.kv_rank + 1,
-        q_lora_rank=c.hidden_size + 1 if plan.query_bias else None,
+        kv_lora_rank=plan.latent_width,
+        q_lora_rank=c.hidden_size + 1 if plan.query_route else None,
         qk_rope_head_dim=plan.rope_dim,
         qk_nope_head_dim=plan.qk_nope_dim,
         v_head_dim=plan.head_dim,
@@ -360,7 +402,7 @@ def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tens
         rms_norm_eps=c.rms_norm_eps,
         rope_parameters=rope,
         rope_interleave=True,
-        attention_bias=True,
+        attention_bias=plan.exact,
         attention_dropout=0.0,
         tie_word_embeddings=c.tie_word_embeddings,
         bos_token_id=c.bos_token_id,
@@ -370,7 +412,7 @@ def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tens
     )
 
 
-def query_route(w: MLAWeights) -> dict[str, torch.Tensor]:
+def query_route_state(w: MLAWeights) -> dict[str, torch.Tensor]:
     """q_a = [I; 0] with bias [0; C]: the norm divides by ~C / sqrt(D + 1) for every token (relative error
     |x|^2 / 2C^2); its weight undoes that on x and maps the constant channel to exactly 1, and q_b's column for
     that channel is the query bias."""
@@ -389,17 +431,18 @@ def query_route(w: MLAWeights) -> dict[str, torch.Tensor]:
     }
 
 
-def attention_state(w: MLAWeights, o_weight: torch.Tensor, query_bias: bool) -> dict[str, torch.Tensor]:
-    """The state dict of one DeepseekV3 attention module holding a converted layer."""
-    state = query_route(w) if query_bias else {"q_proj.weight": w.q_proj}
+def attention_state(w: MLAWeights, o_weight: torch.Tensor, query_route: bool) -> dict[str, torch.Tensor]:
+    """The state dict of one DeepseekV3 attention module holding a converted layer (no biases when the
+    weights have none: the native format)."""
+    state = query_route_state(w) if query_route else {"q_proj.weight": w.q_proj}
     state.update({
         "kv_a_proj_with_mqa.weight": w.kv_a_weight,
-        "kv_a_proj_with_mqa.bias": w.kv_a_bias,
         "kv_a_layernorm.weight": w.kv_a_norm,
         "kv_b_proj.weight": w.kv_b_proj,
         "o_proj.weight": o_weight,
-        "o_proj.bias": w.o_bias,
     })
+    if w.kv_a_bias is not None:
+        state.update({"kv_a_proj_with_mqa.bias": w.kv_a_bias, "o_proj.bias": w.o_bias})
     return state
 
 
@@ -413,7 +456,7 @@ def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: lis
     for index, w in enumerate(layers):
         prefix = f"{family.layers_path}.{index}.{family.attention_attr}."
         o_weight = source.get_submodule(prefix + "o_proj").weight
-        state.update({prefix + k: v for k, v in attention_state(w, o_weight, plan.query_bias).items()})
+        state.update({prefix + k: v for k, v in attention_state(w, o_weight, plan.query_route).items()})
     return load_complete_state(model, state, source.dtype)
 
 
@@ -476,9 +519,11 @@ def hold_norm_channel(attention: DeepseekV3Attention, rank: int) -> None:
     attention.kv_a_proj_with_mqa.bias.register_hook(lambda g: g * keep[:, 0].to(device=g.device, dtype=g.dtype))
 
 
-def freeze_norm_channel(attention: DeepseekV3Attention, rank: int) -> list[torch.nn.Parameter]:
-    """Refinement's trainable parameters: the norm channel held, and o_proj fixed."""
-    hold_norm_channel(attention, rank)
+def refined_parameters(attention: DeepseekV3Attention) -> list[torch.nn.Parameter]:
+    """Refinement's trainable parameters: everything but o_proj and, in the exact format, the norm channel."""
+    channel = norm_channel_of(attention)
+    if channel is not None:
+        hold_norm_channel(attention, channel)
     attention.o_proj.requires_grad_(False)
     return [p for p in attention.parameters() if p.requires_grad]
 
@@ -547,7 +592,7 @@ def refine_layer(
     checked = random_rows()  # the same rows of every window score the closed form and the refined layer
     with torch.no_grad():
         before = error_everywhere(checked)
-    optimizer = torch.optim.Adam(freeze_norm_channel(attention, config.kv_lora_rank - 1), lr=settings.lr, fused=True)
+    optimizer = torch.optim.Adam(refined_parameters(attention), lr=settings.lr, fused=True)
     schedule = learning_rate_schedule(optimizer, settings)
     per_step = min(x.shape[0], max(1, REFINE_STEP_TOKENS // length))
     with torch.enable_grad():
@@ -565,21 +610,23 @@ def refine_layer(
         output = torch.cat([sampled_output(attention, chunk, rope, every_row) for chunk in x.split(WINDOWS_PER_CHUNK)])
     if after >= before:
         return w, before, before, output
+    return weights_of(attention, w), before, after, output
+
+
+def weights_of(attention: DeepseekV3Attention, w: MLAWeights) -> MLAWeights:
+    """A refined layer's weights read back from its module (what refinement does not train comes from ``w``)."""
+    def read(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+        tensor = getattr(module, name)
+        return None if tensor is None else tensor.detach().double()
+
     if attention.q_b_proj is not None:
-        q_b = attention.q_b_proj.weight.detach().double()
+        q_b = read(attention.q_b_proj, "weight")
         q_proj, q_bias = q_b[:, :-1], q_b[:, -1]
     else:
-        q_proj, q_bias = attention.q_proj.weight.detach().double(), w.q_bias
-    refined = MLAWeights(
-        q_proj=q_proj,
-        q_bias=q_bias,
-        kv_a_weight=attention.kv_a_proj_with_mqa.weight.detach().double(),
-        kv_a_bias=attention.kv_a_proj_with_mqa.bias.detach().double(),
-        kv_a_norm=w.kv_a_norm,
-        kv_b_proj=attention.kv_b_proj.weight.detach().double(),
-        o_bias=w.o_bias,
-    )
-    return refined, before, after, output
+        q_proj, q_bias = read(attention.q_proj, "weight"), w.q_bias
+    kv_a = attention.kv_a_proj_with_mqa
+    return MLAWeights(q_proj, q_bias, read(kv_a, "weight"), read(kv_a, "bias"), read(attention.kv_a_layernorm, "weight"),
+                      read(attention.kv_b_proj, "weight"), w.o_bias)
 
 
 def learning_rate_schedule(optimizer: torch.optim.Optimizer, settings: Refinement) -> torch.optim.lr_scheduler.LRScheduler:

@@ -12,13 +12,17 @@ from torch import nn
 
 from attnsurg import ui
 from attnsurg.arch.families import Family
-from attnsurg.data import load_text
+from attnsurg.data import load_text, parse_datasets
 from attnsurg.errors import UserError
 from attnsurg.recipe import TextData
 
 
 def calibration_windows(tokenizer, data: TextData, num_tokens: int, seq_len: int) -> torch.Tensor:
-    """``[n, seq_len]`` token windows from the calibration part of the data (never its evaluation part)."""
+    """``[n, seq_len]`` token windows from the calibration part of the data (never its evaluation part). Several
+    datasets (a comma list, or ``all`` six domains) share the windows in turn: window i comes from dataset
+    i mod k, each dataset's windows taken from its start, so any leading share of the windows mixes them."""
+    if data.dataset and data.text is None and len(names := parse_datasets(data.dataset)) > 1:
+        return mixed_windows(tokenizer, names, num_tokens, seq_len)
     text = load_text(data.dataset, data.text, "calib")
     ids = tokenizer(text.text, add_special_tokens=False)["input_ids"][:num_tokens]
     n = len(ids) // seq_len
@@ -27,6 +31,15 @@ def calibration_windows(tokenizer, data: TextData, num_tokens: int, seq_len: int
             f"calibration text '{text.name}' has {len(ids)} tokens, fewer than one window of {seq_len}"
         )
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def mixed_windows(tokenizer, names: list[str], num_tokens: int, seq_len: int) -> torch.Tensor:
+    count = max(1, num_tokens // seq_len)
+    shares = [len(range(i, count, len(names))) for i in range(len(names))]
+    per_dataset = [calibration_windows(tokenizer, TextData(dataset=name, part="calib"), share * seq_len, seq_len)
+                   for name, share in zip(names, shares) if share]
+    rows = [windows[j] for j in range(max(shares)) for windows in per_dataset if j < len(windows)]
+    return torch.stack(rows)
 
 
 def augment(x: torch.Tensor) -> torch.Tensor:

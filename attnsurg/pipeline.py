@@ -16,6 +16,7 @@ from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.calibrate import calibration_windows
+from attnsurg.data import parse_datasets
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.card import CardInfo
 from attnsurg.io.load import DTYPES, load_model, load_tokenizer
@@ -52,9 +53,18 @@ def scoring_windows(tokenizer, data: TextData, eval_tokens: int, max_positions: 
     return eval_windows(tokenizer, data.model_copy(update={"part": "eval"}), length, eval_tokens)
 
 
+def scored_text(calibration: TextData) -> TextData:
+    """The text whose eval part is scored first, as "the calibration text": the calibration text itself, or the
+    first of several calibration datasets."""
+    if calibration.dataset and calibration.text is None and len(names := parse_datasets(calibration.dataset)) > 1:
+        return TextData(dataset=names[0])
+    return calibration
+
+
 def domain_texts(calibration: TextData, domains: list[str], eval_tokens: int) -> list[TextData]:
     """The evaluation domains scored besides the calibration text (its own domain is not repeated)."""
-    return [TextData(dataset=d) for d in domains if d != calibration.dataset] if eval_tokens else []
+    first = scored_text(calibration).dataset
+    return [TextData(dataset=d) for d in domains if d != first] if eval_tokens else []
 
 
 def fetch_domains(texts: list[TextData]) -> None:
@@ -138,7 +148,8 @@ def finish_surgery(
     domains = domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens)
     held_out = None  # one set of windows scores the source, the operated model and the healed one
     if request.eval_tokens and is_main_process():
-        held_out = scoring_windows(surgery.tokenizer, request.calibration.data, request.eval_tokens, anatomy.max_positions)
+        held_out = scoring_windows(surgery.tokenizer, scored_text(request.calibration.data), request.eval_tokens,
+                                   anatomy.max_positions)
     if recipe.heal is not None:
         from attnsurg.heal import heal_model, heal_state_dir
 
@@ -157,7 +168,7 @@ def finish_surgery(
     files = {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})}
     info = card()
     if report.ppl_before is not None:
-        info.figures.append(perplexity_row(request.calibration.data, request.eval_tokens, report.ppl_before, report.ppl_after,
+        info.figures.append(perplexity_row(scored_text(request.calibration.data), request.eval_tokens, report.ppl_before, report.ppl_after,
                                            f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))
         info.figures.extend(domain_rows(report.domains, request.eval_tokens))
     if getattr(report, "heal", None) is not None:

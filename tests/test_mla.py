@@ -53,7 +53,7 @@ def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
 
     closed_form, _ = relative_logit_error(0)
     refined, errors = relative_logit_error(40)
-    assert len(errors) == 2 and all(after < 0.5 * before for before, after in errors), errors
+    assert len(errors) == 2 and all(e.after < 0.5 * e.before for e in errors), errors
     assert refined < 0.9 * closed_form
 
 
@@ -71,9 +71,9 @@ def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(
         hidden = model(ids, output_hidden_states=True).hidden_states
     asked = []
 
-    def perfect_fit(w, config, index, o_weight, x, target, settings, token_scale):
+    def perfect_fit(w, config, index, o_weight, x, target, settings, token_scale, held_out):
         asked.append((target, token_scale))
-        return w, 1.0, 0.0, target
+        return w, mla.LayerError(1.0, 0.0), target
 
     monkeypatch.setattr(mla, "refine_layer", perfect_fit)
     refiner = mla.SequentialRefiner(model, LLAMA, hidden[0].clone(), deepseek_config(model, plan, model.model.rotary_emb.inv_freq))
@@ -130,10 +130,10 @@ def test_per_token_scale_keeps_one_huge_unreachable_target_from_ruling_the_refin
     start = fit_layer(attn, second_moment(x), plan)
 
     def rest_error(target: torch.Tensor, token_scale=None) -> float:
-        output = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=3e-3), token_scale)[3]
+        output = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=3e-3), token_scale)[2]
         return ((output - clean)[:, 1:].pow(2).mean() / clean[:, 1:].pow(2).mean()).item()
 
-    closed_form = refine_layer(start, config, 0, attn.o_proj.weight, x, clean, Refinement(0))[3]
+    closed_form = refine_layer(start, config, 0, attn.o_proj.weight, x, clean, Refinement(0))[2]
     closed_form_error = ((closed_form - clean)[:, 1:].pow(2).mean() / clean[:, 1:].pow(2).mean()).item()
     without_sink = rest_error(clean)
     scaled = rest_error(sink, sink.pow(2).mean(-1, keepdim=True).rsqrt())
@@ -281,3 +281,51 @@ def test_cosine_refinement_schedule_decays_to_its_floor_and_constant_stays():
             optimizer.step()
             rates.step()
         assert optimizer.param_groups[0]["lr"] == pytest.approx(last)
+
+
+def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they_score_best(monkeypatch):
+    """The last windows are held out: no Adam step reads them, and the kept weights are the ones with the lowest
+    held-out error (the closed form when no step lowers it). The converter holds out a quarter as many
+    windows as refinement reads, taken after them."""
+    from attnsurg.calibrate import attention_inputs, second_moment
+    from attnsurg.methods import mla
+
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
+    windows = torch.randint(0, 384, (10, 64), generator=torch.Generator().manual_seed(1))
+    x = attention_inputs(model, LLAMA, windows)[0]
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        rope = model.model.rotary_emb(x[:1], torch.arange(64)[None])
+        target = attn(hidden_states=x, position_embeddings=rope, attention_mask=causal_mask(64))[0]
+    config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
+    config._attn_implementation = "sdpa"
+    trained_on = []
+    original = mla.sampled_output
+
+    def watching(attention, inputs, rope, rows):
+        if torch.is_grad_enabled():
+            trained_on.append(inputs)
+        return original(attention, inputs, rope, rows)
+
+    monkeypatch.setattr(mla, "sampled_output", watching)
+    start = fit_layer(attn, second_moment(x), plan)
+    _, errors, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=3e-3), held_out=2)
+    assert trained_on and not any(torch.equal(row, x[i]) for batch in trained_on for row in batch for i in (8, 9))
+    assert any(torch.equal(row, x[0]) for batch in trained_on for row in batch)
+    assert errors.held_after < errors.held_before and errors.after < errors.before
+    assert errors.steps > 0 and errors.steps % mla.HELD_OUT_CHECK == 0
+
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def refiner(*args):
+        seen.append(args[-1])
+        raise Seen
+
+    monkeypatch.setattr(mla, "SequentialRefiner", refiner)
+    with pytest.raises(Seen):
+        convert(model, LLAMA, torch.randint(0, 384, (8, 64)), plan, refinement=Refinement(5, tokens=4 * 64))
+    assert seen == [1]

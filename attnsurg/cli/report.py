@@ -50,7 +50,7 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
     if json_output:
         record = {"plan": rows, "written": report.written, "seconds": report.seconds, "convert_seconds": report.convert_seconds,
                   "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-                  "layer_errors": report.layer_errors, "heal": heal_record(report.heal), "domains": domains_record(report)}
+                  "layer_errors": [e._asdict() for e in report.layer_errors], "heal": heal_record(report.heal), "domains": domains_record(report)}
         print(json.dumps(record, indent=2))
         return
     title = (f"MLA plan for {model}, {report.plan.format} format, {report.plan.layout} RoPE layout "
@@ -69,7 +69,12 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
                   f"calibration included), peak memory {report.peak_memory_gb:.2f} GB")
     if report.mean_layer_error:
         before, after = report.mean_layer_error
-        out.print(f"mean relative layer error against the original residual stream: {before:.4f} -> {after:.4f} (refinement)")
+        out.print(f"mean relative layer error against the original residual stream: {before:.4f} -> {after:.4f} "
+                  "(refinement windows)")
+    if report.mean_held_out_error:
+        before, after = report.mean_held_out_error
+        steps = sum(e.steps for e in report.layer_errors) / len(report.layer_errors)
+        out.print(f"on held-out calibration windows: {before:.4f} -> {after:.4f} (steps kept per layer: {steps:.0f} on average)")
     print_heal_summary(report.heal)
     print_ppl(report)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedModel
@@ -65,6 +66,9 @@ REFINE_STEP_QUERIES = 128  # query positions scored per step; every key and valu
 WINDOWS_PER_CHUNK = 8  # whole-window forwards over the refinement data run this many windows at a time
 SCHEDULES = ("constant", "cosine")
 COSINE_FLOOR = 0.1  # the cosine schedule decays the learning rate to this fraction of its peak
+HELD_OUT_CHECK = 10  # refinement checks the held-out error every this many steps
+HELD_OUT_PATIENCE = 2  # and stops after this many checks without a new lowest one
+HELD_OUT_SHARE = 0.25  # held-out windows per refinement window, when the calibration windows have them
 SUPPORTED_ROPE = ("default", "llama3")
 
 
@@ -460,13 +464,24 @@ def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: lis
     return load_complete_state(model, state, source.dtype)
 
 
+class LayerError(NamedTuple):
+    """A refined layer's relative output error: closed form (before) and kept weights (after), on the
+    refinement windows and on the held-out windows refinement never trains on (None without them)."""
+
+    before: float
+    after: float
+    held_before: float | None = None
+    held_after: float | None = None
+    steps: int = 0  # Adam steps of the kept weights (0: the closed form was kept)
+
+
 @dataclass
 class MLAConversion:
     """A converted model, its plan and each refined layer's output error (before, after refinement)."""
 
     model: DeepseekV3ForCausalLM
     plan: MLAPlan
-    layer_errors: list[tuple[float, float]]
+    layer_errors: list[LayerError]
 
 
 # ---------------------------------------------------------------------------------- refinement
@@ -557,22 +572,27 @@ def sampled_output(attention: DeepseekV3Attention, x: torch.Tensor, rope: tuple[
 
 def refine_layer(
     w: MLAWeights, config: DeepseekV3Config, index: int, o_weight: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
-    settings: Refinement, token_scale: torch.Tensor | None = None,
-) -> tuple[MLAWeights, float, float, torch.Tensor]:
-    """Adam on the converted layer so its output on the windows ``x`` matches ``target``; returns the better
-    weights, the relative error before and after (on REFINE_STEP_QUERIES fixed query rows of every window),
-    and the layer's output on ``x`` with the returned weights. The closed form is kept when refinement does
-    not improve it.
+    settings: Refinement, token_scale: torch.Tensor | None = None, held_out: int = 0,
+) -> tuple[MLAWeights, LayerError, torch.Tensor]:
+    """Adam on the converted layer so its output on the windows ``x`` matches ``target``; returns the kept
+    weights, their errors (on REFINE_STEP_QUERIES fixed query rows of every window) and the layer's output on
+    ``x`` with them.
 
-    Each step takes the next REFINE_STEP_TOKENS worth of windows in turn and scores REFINE_STEP_QUERIES random
-    query positions of them against all their keys and values. On the demo model 40 steps of one 512-token
-    window reached a lower layer error than 20 full-batch steps over 4 windows at half the compute; scoring a
-    quarter of the queries per step then halves the default conversion (103 s -> 55 s at 0.5) for a ppl ratio
-    2-6% higher (benchmarks/mla_budget.py --refine-queries 512 against the default). ``token_scale`` ([n, L, 1]) weights each token's error."""
-    length = x.shape[1]
+    The last ``held_out`` windows are never trained on. With them, the held-out error is checked every
+    HELD_OUT_CHECK steps: the weights with the lowest one are kept, and refinement stops once it has not
+    fallen for HELD_OUT_PATIENCE checks (early stopping). Without them, the closed form is kept when
+    refinement does not lower the training error.
+
+    Each step takes the next REFINE_STEP_TOKENS worth of training windows in turn and scores
+    REFINE_STEP_QUERIES random query positions of them against all their keys and values. On the demo model
+    40 steps of one 512-token window reached a lower layer error than 20 full-batch steps over 4 windows at
+    half the compute; scoring a quarter of the queries per step then halves the default conversion (103 s ->
+    55 s at 0.5) for a ppl ratio 2-6% higher (benchmarks/mla_budget.py --refine-queries 512 against the
+    default). ``token_scale`` ([n, L, 1]) weights each token's error."""
+    length, train = x.shape[1], x.shape[0] - held_out
     rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(length)[None])
     token_scale = torch.ones(*x.shape[:2], 1) if token_scale is None else token_scale
-    energy = (target * token_scale).pow(2).mean()
+    energy = (target[:train] * token_scale[:train]).pow(2).mean()
     attention = mla_attention(config, index, w, o_weight)
     queries = min(length, REFINE_STEP_QUERIES)
     generator = torch.Generator().manual_seed(index)
@@ -580,37 +600,51 @@ def refine_layer(
     def random_rows() -> torch.Tensor:
         return torch.randperm(length, generator=generator)[:queries].sort().values
 
-    def error_at(rows: torch.Tensor, windows: slice = slice(None)) -> torch.Tensor:
+    def error_at(rows: torch.Tensor, windows: slice) -> torch.Tensor:
         error = sampled_output(attention, x[windows], rope, rows) - target[windows][:, rows]
         return (error * token_scale[windows][:, rows]).pow(2).mean() / energy
 
-    def error_everywhere(rows: torch.Tensor) -> float:
-        chunks = range(0, x.shape[0], WINDOWS_PER_CHUNK)
-        return sum(error_at(rows, slice(i, i + WINDOWS_PER_CHUNK)).item() * len(x[i : i + WINDOWS_PER_CHUNK])
-                   for i in chunks) / x.shape[0]
+    @torch.no_grad()
+    def error_over(start: int, stop: int) -> float | None:
+        if stop <= start:
+            return None
+        chunks = range(start, stop, WINDOWS_PER_CHUNK)
+        return sum(error_at(checked, slice(i, min(i + WINDOWS_PER_CHUNK, stop))).item() * (min(i + WINDOWS_PER_CHUNK, stop) - i)
+                   for i in chunks) / (stop - start)
 
     checked = random_rows()  # the same rows of every window score the closed form and the refined layer
-    with torch.no_grad():
-        before = error_everywhere(checked)
+    before, held_before = error_over(0, train), error_over(train, x.shape[0])
+    best = (held_before, 0, None)  # held-out error, steps, state
     optimizer = torch.optim.Adam(refined_parameters(attention), lr=settings.lr, fused=True)
     schedule = learning_rate_schedule(optimizer, settings)
-    per_step = min(x.shape[0], max(1, REFINE_STEP_TOKENS // length))
+    per_step = min(train, max(1, REFINE_STEP_TOKENS // length))
     with torch.enable_grad():
-        for step in range(settings.steps):
-            first = (step * per_step) % x.shape[0]
+        for step in range(1, settings.steps + 1):
+            first = ((step - 1) * per_step) % train
             optimizer.zero_grad()
-            error_at(random_rows(), slice(first, first + per_step)).backward()
+            error_at(random_rows(), slice(first, min(first + per_step, train))).backward()
             optimizer.step()
             schedule.step()
+            if held_out and (step % HELD_OUT_CHECK == 0 or step == settings.steps):
+                held = error_over(train, x.shape[0])
+                if held < best[0]:
+                    best = (held, step, {k: v.detach().clone() for k, v in attention.state_dict().items()})
+                elif step - best[1] >= HELD_OUT_PATIENCE * HELD_OUT_CHECK:
+                    break
+    steps = settings.steps
+    if held_out:
+        steps = best[1]
+        if best[2] is not None:
+            attention.load_state_dict(best[2])
+    elif error_over(0, train) >= before:
+        steps = 0
+    if steps == 0:
+        attention = mla_attention(config, index, w, o_weight)
     with torch.no_grad():
-        after = error_everywhere(checked)
-        if after >= before:
-            attention = mla_attention(config, index, w, o_weight)
         every_row = torch.arange(length)
         output = torch.cat([sampled_output(attention, chunk, rope, every_row) for chunk in x.split(WINDOWS_PER_CHUNK)])
-    if after >= before:
-        return w, before, before, output
-    return weights_of(attention, w), before, after, output
+    errors = LayerError(before, error_over(0, train), held_before, error_over(train, x.shape[0]), steps)
+    return (weights_of(attention, w) if steps else w), errors, output
 
 
 def weights_of(attention: DeepseekV3Attention, w: MLAWeights) -> MLAWeights:
@@ -646,27 +680,28 @@ class SequentialRefiner:
     attention output and h'_l is the converted model's residual stream. Both streams advance layer by layer
     from the embeddings, so memory holds two streams whatever the depth."""
 
-    def __init__(self, source: PreTrainedModel, family: Family, embeddings: torch.Tensor, config: DeepseekV3Config):
-        self.source, self.family, self.config = source, family, config
-        self.original = embeddings  # [n, L, D]: the first decoder layer's input on the refinement windows
+    def __init__(self, source: PreTrainedModel, family: Family, embeddings: torch.Tensor, config: DeepseekV3Config,
+                 held_out: int = 0):
+        self.source, self.family, self.config, self.held_out = source, family, config, held_out
+        self.original = embeddings  # [n, L, D]: the first decoder layer's input on the refinement windows, held-out last
         self.stream = embeddings.clone()
         length = embeddings.shape[1]
         self.mask = causal_mask(length)
         self.positions = torch.arange(length)[None]
 
     @torch.no_grad()
-    def refine(self, index: int, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, float, float]:
+    def refine(self, index: int, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, LayerError]:
         layer = self.source.get_submodule(f"{self.family.layers_path}.{index}")
         source_attn = getattr(layer, self.family.attention_attr)
         norm = getattr(layer, self.family.input_norm)
         attended = self.source_attention(source_attn, norm(self.original))
         target = self.original + attended - self.stream
         token_scale = (self.original + attended).pow(2).mean(-1, keepdim=True).rsqrt()
-        w, before, after, output = refine_layer(w, self.config, index, source_attn.o_proj.weight, norm(self.stream),
-                                                target, settings, token_scale)
+        w, errors, output = refine_layer(w, self.config, index, source_attn.o_proj.weight, norm(self.stream),
+                                         target, settings, token_scale, self.held_out)
         self.original = self.finish_layer(layer, self.original + attended)
         self.stream = self.finish_layer(layer, self.stream + output)
-        return w, before, after
+        return w, errors
 
     def source_attention(self, attention, x: torch.Tensor) -> torch.Tensor:
         """The original attention's output on every window, a few windows at a time."""
@@ -692,7 +727,7 @@ def convert(
 ) -> MLAConversion:
     """Convert every layer from calibration windows (token ids): the closed form from the attention inputs'
     second moment over all windows, then, given ``refinement`` with steps, sequential refinement on the first
-    ``refinement.tokens`` of them."""
+    ``refinement.tokens`` of them, watched on up to HELD_OUT_SHARE as many windows that follow them."""
     from attnsurg.calibrate import input_statistics
 
     # One hooked pass streams each attention input's second moment over all windows; refinement starts from the
@@ -704,16 +739,17 @@ def convert(
     config._attn_implementation = "sdpa"  # the standalone refinement modules (sampled_output calls sdpa itself)
     refiner = None
     if refinement:
-        keep = max(1, refinement.tokens // windows.shape[1])
-        embeddings = source.get_input_embeddings()(windows[:keep].to(source.device)).float().cpu()
-        refiner = SequentialRefiner(source, family, embeddings, config)
+        keep = min(len(windows), max(1, refinement.tokens // windows.shape[1]))
+        held_out = min(len(windows) - keep, math.ceil(keep * HELD_OUT_SHARE))
+        embeddings = source.get_input_embeddings()(windows[: keep + held_out].to(source.device)).float().cpu()
+        refiner = SequentialRefiner(source, family, embeddings, config, held_out)
     layers, errors = [], []
     for index, (attn, sigma) in enumerate(zip(attentions, sigmas)):
         weights = fit_layer(attn, sigma, plan, weighted)
         if refiner:
-            weights, before, after = refiner.refine(index, weights, refinement)
-            errors.append((before, after))
+            weights, error = refiner.refine(index, weights, refinement)
+            errors.append(error)
         layers.append(weights)
         if progress:
-            progress(note=f"layer error {errors[-1][0]:.3f} -> {errors[-1][1]:.3f}" if errors else "")
+            progress(note=f"layer error {errors[-1].before:.3f} -> {errors[-1].after:.3f}" if errors else "")
     return MLAConversion(assemble(source, family, plan, layers), plan, errors)

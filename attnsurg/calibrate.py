@@ -99,26 +99,38 @@ def attention_input_moments(model: nn.Module, family: Family, windows: torch.Ten
 
 
 class InputStatistics:
-    """Streaming E[x~ x~^T] (augmented, float64) and E|x| of what one module receives."""
+    """Streaming E[x~ x~^T] (augmented, float64) and E|x| of what one module receives ([windows, L, n]), and
+    E[x~ x~^T] over each window's first token alone (where the attention sink is)."""
 
     def __init__(self) -> None:
-        self.tokens = 0
+        self.tokens = self.windows = 0
         self.moment: torch.Tensor | None = None
+        self.first_moment: torch.Tensor | None = None
         self.abs_sum: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor) -> None:
-        xa = augment(x.detach().cpu())
+        x = x.detach().cpu()
+        xa = augment(x)
+        first = augment(x[:, 0]) if x.ndim == 3 else xa[:0]
         if self.moment is None:
             self.moment = torch.zeros(xa.shape[1], xa.shape[1], dtype=torch.float64)
+            self.first_moment = torch.zeros_like(self.moment)
             self.abs_sum = torch.zeros(xa.shape[1] - 1, dtype=torch.float64)
         self.moment += xa.T @ xa
+        self.first_moment += first.T @ first
         self.abs_sum += xa[:, :-1].abs().sum(0)
         self.tokens += xa.shape[0]
+        self.windows += first.shape[0]
 
     @property
     def sigma(self) -> torch.Tensor:
         """E[x~ x~^T], (n+1) x (n+1)."""
         return self.moment / self.tokens
+
+    @property
+    def sigma_first(self) -> torch.Tensor | None:
+        """E[x~ x~^T] over the windows' first tokens, (n+1) x (n+1)."""
+        return self.first_moment / self.windows if self.windows else None
 
     @property
     def abs_mean(self) -> torch.Tensor:

@@ -83,6 +83,16 @@ def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
     return model
 
 
+def with_mean_direction(model, shift: float = 2.0):
+    """Give every token embedding a shared component ``shift`` times a typical embedding's size per coordinate,
+    as real language models' hidden states have (a strong mean direction): the native MLA format's
+    constant channel is fitted from it, where random hidden states offer none."""
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings().weight
+        embeddings += shift * embeddings.norm(dim=1).mean() / embeddings.shape[1] ** 0.5
+    return model
+
+
 TINY_VARIANTS = {
     "llama-gqa": ("llama", {"num_key_value_heads": 2}),
     "llama-mha": ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),

@@ -15,7 +15,7 @@ from attnsurg.methods.mla import (
 )
 from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
 
-from conftest import build_tiny
+from conftest import build_tiny, with_mean_direction
 
 LLAMA = family_for_surgery("llama")
 
@@ -160,12 +160,27 @@ def test_rope_components_fill_tier_by_tier_from_the_highest_frequency():
     assert flexible.counts == (2, 2, 2, 2, 1, 1, 1, 1) and flexible.nope_key_dim == 32 - 24
 
 
-def test_error_falls_as_the_latent_grows():
-    model = build_tiny("llama", 384, num_key_value_heads=2)
+@pytest.mark.parametrize("format", ["native", "exact"])
+def test_error_falls_as_the_latent_grows(format):
+    model = with_mean_direction(build_tiny("llama", 384, num_key_value_heads=2))
     anatomy = inspect_config(model.config)
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
-    errors = [converted_error(model, plan_mla(anatomy, kv_rank=r, rope_dim=16), ids) for r in (4, 16, 32, 48)]
+    errors = [converted_error(model, plan_mla(anatomy, kv_rank=r, rope_dim=16, format=format), ids) for r in (4, 16, 32, 48)]
     assert errors == sorted(errors, reverse=True), errors
+
+
+def test_native_format_error_is_the_spread_of_its_constant_channel():
+    """Without biases the latent norm's channel is a fitted near-constant: at full budget the native format
+    errs by what its spread costs, which shrinks as the hidden states' mean direction grows, where the exact
+    format reproduces the logits."""
+    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
+    errors = []
+    for shift in (1.0, 3.0, 9.0):
+        model = with_mean_direction(build_tiny("llama", 384, num_key_value_heads=1), shift)
+        plan = plan_mla(inspect_config(model.config), kv_budget=1.0)
+        assert plan.format == "native" and plan.kv_rank == plan.full_rank
+        errors.append(converted_error(model, plan, ids))
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-2, errors
 
 
 @pytest.mark.parametrize("variant,format", [("llama-gqa", "native"), ("llama-mha", "native"), ("mistral", "native"),
@@ -188,7 +203,7 @@ def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, forma
     generated = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
     layer = generated.past_key_values.layers[0]
     assert layer.keys.shape[-1] == report.plan.latent_width and layer.values.shape[-1] == report.plan.rope_dim
-    assert report.plan.cached_values == report.plan.original_values // 2 + (format == "exact")
+    assert report.plan.cached_values == report.plan.original_values // 2 + 1
     has_bias = any(name.endswith(".bias") for name in model.state_dict())
     assert has_bias == (format == "exact") and model.config.attention_bias == (format == "exact")
     assert sum(p.numel() for p in model.model.layers[0].self_attn.parameters()) == \
@@ -244,7 +259,7 @@ def test_cli_dry_run_prints_the_plan_and_writes_nothing(tiny_checkpoints, tmp_pa
                                  "-o", str(tmp_path / "out"), "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)["plan"]
-    assert len(plan) == 2 and plan[0]["kv_values_before"] == 64 and plan[0]["kv_values_after"] == 32
+    assert len(plan) == 2 and plan[0]["kv_values_before"] == 64 and plan[0]["kv_values_after"] == 33
     assert not (tmp_path / "out").exists()
     bad = runner.invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--kv-budget", "2", "--dry-run"])
     assert bad.exit_code == 2 and "must be in (0, 1]" in bad.stderr

@@ -14,15 +14,19 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
 3. Latent: the no-RoPE key and the values are compressed jointly into a rank-r latent by PCA of their
    calibration second moment, optionally weighted by what consumes them (the query second moment for keys,
    W_o^T W_o per head group for values, each block rescaled to its unweighted energy), computed in float64.
-4. Latent norm: DeepseekV3 always applies an RMSNorm to the latent, c / rms(c) * w, which rescales each
-   token's keys (no-RoPE part) and values by a factor of its own. Two output formats:
-   - native (default): no biases anywhere, as every engine's DeepSeek graph (llama.cpp, vLLM, SGLang) has
-     none; w starts at the latent's RMS over the calibration tokens and refinement fits the layer with the
-     norm in place (w trains too). The source's attention biases (Qwen2) are dropped and refinement
-     compensates what it can.
-   - exact (transformers only): one extra latent channel with zero weights and a constant bias C >> |latent|
-     makes the RMS the same for every token (C / sqrt(r + 1) up to a relative |c|^2 / 2C^2), and the norm
-     weight undoes it, so the latent passes through unchanged.
+4. Latent norm: DeepseekV3 always applies an RMSNorm to the latent, c / rms(c) * w, which would rescale each
+   token's keys (no-RoPE part) and values by a factor of its own (on the demo model the attention sink's
+   latent is 3-8 times smaller than other tokens' from the middle layers on). One extra latent channel far
+   larger than the latent and (nearly) the same for every token makes the RMS (nearly) constant, and the
+   norm weight undoes it, so the latent passes through. Two output formats:
+   - exact (transformers only): the channel is a constant bias C >> |latent| (RMS C / sqrt(r + 1) up to a
+     relative |c|^2 / 2C^2).
+   - native (default; no biases anywhere, as the DeepSeek graphs of llama.cpp, vLLM and SGLang have none):
+     the channel is S a . x, with a the direction whose projection of the normalised input is closest to 1
+     over the calibration tokens (the sink weighted apart). Its spread around 1 (2-6% off the calibration
+     domain on the demo model, against 7-16% for the latent's own size) is the format's error; the source's
+     biases fold through it the same way (b ~ b (a . x)), and refinement trains the whole layer, norm and
+     channel included, with the norm in place.
 5. The softmax scale of DeepseekV3 is (qk_nope + R)^-1/2: the ratio to the original d^-1/2 is folded into q.
    In the exact format, query biases (Qwen2) have no place in DeepseekV3's plain q_proj, so such models route
    q through q_a -> q_a_layernorm -> q_b: q_a is the identity plus one constant channel (the same norm trick),
@@ -61,6 +65,8 @@ from attnsurg.methods import MethodSpec, register
 
 # Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
 NORM_CONSTANT = 2.0**24
+CHANNEL_DOMINANCE = 32.0  # native format: the fitted constant channel's size over the latent's RMS size
+CONSTANT_RIDGE = 1e-2  # ridge of the constant channel's regression, relative to the mean input energy
 REFINE_STEP_TOKENS = 512  # tokens per refinement step: whole windows, at least one
 REFINE_STEP_QUERIES = 128  # query positions scored per step; every key and value of the windows is kept
 WINDOWS_PER_CHUNK = 8  # whole-window forwards over the refinement data run this many windows at a time
@@ -112,8 +118,9 @@ class MLAPlan:
 
     @property
     def latent_width(self) -> int:
-        """kv_lora_rank: the latent, plus the norm channel in the exact format."""
-        return self.kv_rank + 1 if self.exact else self.kv_rank
+        """kv_lora_rank: the latent and its norm channel (a constant bias in the exact format, a fitted
+        near-constant in the native one)."""
+        return self.kv_rank + 1
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -153,7 +160,7 @@ class MLAPlan:
 
     @property
     def cached_values(self) -> int:
-        """Values cached per layer per token: the latent (with the exact format's norm channel) and the RoPE key."""
+        """Values cached per layer per token: the latent, its norm channel and the RoPE key."""
         return self.latent_width + self.rope_dim
 
 
@@ -201,7 +208,7 @@ def plan_mla(
             raise UserError(f"--kv-budget must be in (0, 1], got {kv_budget}")
         values = max(2, round(kv_budget * original))
         rope_dim = default_rope_dim(values, d, max_rope) if rope_dim is None else rope_dim
-        kv_rank = values - rope_dim  # the exact format's norm channel is one extra value on top of the budget
+        kv_rank = values - rope_dim  # the latent-norm channel is one extra value on top of the budget
     rope_dim = d if rope_dim is None else rope_dim
     if rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
         where = f"the head dim ({d})" if layout == "standard" else f"KV heads x head dim ({max_rope})"
@@ -292,8 +299,10 @@ def consumer_weight(Q_nope: list[torch.Tensor], Wo: torch.Tensor, sigma, plan: M
 
 
 @torch.no_grad()
-def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True) -> MLAWeights:
-    """Closed-form MLA factors for one attention layer from its input second moment ``sigma`` ((D+1)^2)."""
+def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
+              sigma_first: torch.Tensor | None = None) -> MLAWeights:
+    """Closed-form MLA factors for one attention layer from its input second moment ``sigma`` ((D+1)^2) and,
+    for the native format, that of each window's first token (``sigma_first``, the attention sink)."""
     H, G, d, R, r = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.rope_dim, plan.kv_rank
     Wq = augmented(attn.q_proj.weight, attn.q_proj.bias)
     Wk = augmented(attn.k_proj.weight, attn.k_proj.bias)
@@ -333,7 +342,7 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True) -
 
     kv_b = torch.cat([torch.cat([B_k, B_v[(h // group) * d : (h // group + 1) * d]]) for h in range(H)])
     if not plan.exact:
-        return native_weights(q_proj, A, K_rope, kv_b, sigma)
+        return native_weights(q_proj, A, K_rope, kv_b, sigma, constant_direction(sigma, sigma_first))
     # Latent norm: channel r is a constant C; the RMS is then C / sqrt(r + 1) for every token.
     rms = NORM_CONSTANT / math.sqrt(r + 1)
     constant_row = torch.zeros(1, A.shape[1], dtype=torch.float64)
@@ -345,13 +354,39 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True) -
     return MLAWeights(q_proj[:, :-1], q_proj[:, -1], kv_a[:, :-1], kv_a[:, -1], kv_a_norm, kv_b, o_bias)
 
 
+def constant_direction(sigma: torch.Tensor, sigma_first: torch.Tensor | None = None) -> torch.Tensor:
+    """The direction a with a . x closest to 1 over the calibration tokens (ridge regression of 1 on x, the
+    windows' first tokens weighted as much as all others together, since the attention sink's hidden state
+    points elsewhere): the constant a bias-free model can still compute from its own normalised input."""
+    D = sigma.shape[0] - 1
+    gram, target = sigma[:D, :D].clone(), sigma[:D, D].clone()
+    if sigma_first is not None:
+        gram += sigma_first[:D, :D]
+        target += sigma_first[:D, D]
+    ridge = CONSTANT_RIDGE * gram.diagonal().mean()
+    return torch.linalg.solve(gram + ridge * torch.eye(D, dtype=gram.dtype), target)
+
+
 def native_weights(q_proj: torch.Tensor, A: torch.Tensor, K_rope: torch.Tensor, kv_b: torch.Tensor,
-                   sigma: torch.Tensor) -> MLAWeights:
-    """The engine-native layer: bias columns (the source's attention biases) dropped, and the latent norm's
-    weight set to the latent's RMS over the calibration tokens, so a token of typical size passes unchanged."""
-    rms = (torch.trace(A @ sigma @ A.T) / A.shape[0]).sqrt()
-    kv_a_norm = torch.full((A.shape[0],), float(rms), dtype=torch.float64)
-    return MLAWeights(q_proj[:, :-1], None, torch.cat([A, K_rope])[:, :-1], None, kv_a_norm, kv_b, None)
+                   sigma: torch.Tensor, a: torch.Tensor) -> MLAWeights:
+    """The engine-native layer: the exact format's constant latent channel, computed without a bias as
+    S a . x (about S for every token), so the latent RMSNorm divides every token by about S / sqrt(r + 1) and
+    its weight undoes that; S is CHANNEL_DOMINANCE times the latent's RMS size, so the channel rules the norm.
+    The error is the spread of a . x around 1 (a few percent on the demo model). Bias columns (Qwen2's q, k, v
+    biases) fold the same way: b ~ b (a . x); the latent's own bias rides on the channel through kv_b."""
+    r = A.shape[0]
+    D = sigma.shape[0] - 1
+    latent_size = torch.trace(A[:, :D] @ sigma[:D, :D] @ A[:, :D].T).sqrt()
+    scale = CHANNEL_DOMINANCE * float(latent_size)
+
+    def folded(W: torch.Tensor) -> torch.Tensor:
+        return W[:, :D] + W[:, D:] * a[None]
+
+    kv_a = torch.cat([A[:, :D], scale * a[None], folded(K_rope)])
+    kv_a_norm = torch.full((r + 1,), scale / math.sqrt(r + 1), dtype=torch.float64)
+    kv_a_norm[r] = 1 / math.sqrt(r + 1)
+    kv_b = torch.cat([kv_b, kv_b @ A[:, D:]], dim=1)
+    return MLAWeights(folded(q_proj), None, kv_a, None, kv_a_norm, kv_b, None)
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -733,7 +768,7 @@ def convert(
     # One hooked pass streams each attention input's second moment over all windows; refinement starts from the
     # token embeddings of its windows (the first decoder layer's input in the Llama family).
     attentions = [getattr(layer, family.attention_attr) for layer in source.get_submodule(family.layers_path)]
-    sigmas = [s.sigma for s in input_statistics(source, attentions, windows)]
+    statistics = input_statistics(source, attentions, windows)
     refinement = refinement if refinement and refinement.steps else None
     config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
     config._attn_implementation = "sdpa"  # the standalone refinement modules (sampled_output calls sdpa itself)
@@ -744,8 +779,8 @@ def convert(
         embeddings = source.get_input_embeddings()(windows[: keep + held_out].to(source.device)).float().cpu()
         refiner = SequentialRefiner(source, family, embeddings, config, held_out)
     layers, errors = [], []
-    for index, (attn, sigma) in enumerate(zip(attentions, sigmas)):
-        weights = fit_layer(attn, sigma, plan, weighted)
+    for index, (attn, stats) in enumerate(zip(attentions, statistics)):
+        weights = fit_layer(attn, stats.sigma, plan, weighted, stats.sigma_first)
         if refiner:
             weights, error = refiner.refine(index, weights, refinement)
             errors.append(error)

@@ -71,7 +71,8 @@ def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
 
 def plan_request(request: ConvertMLA):
     source, _, anatomy = inspect_model(request.model)
-    plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim, request.rope_layout, request.format)
+    plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim, request.rope_layout, request.format,
+                    request.engine)
     return source, anatomy, plan
 
 

@@ -191,6 +191,7 @@ class MLASettings(Strict):
     rope_dim: int | None = None
     rope_layout: Literal["standard", "flexible"] = "standard"
     format: Literal["native", "exact"] = "native"
+    engine: Literal["transformers", "llama.cpp", "vllm", "sglang"] | None = None  # refuse what it would not run
     weighted: bool = True
     refine_steps: int = Field(40, ge=0)
     refine_tokens: int | None = Field(None, gt=0)  # None: the first 2048 calibration tokens, or all when fewer

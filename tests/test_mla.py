@@ -344,3 +344,15 @@ def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they
     with pytest.raises(Seen):
         convert(model, LLAMA, torch.randint(0, 384, (8, 64)), plan, refinement=Refinement(5, tokens=4 * 64))
     assert seen == [1]
+
+
+def test_engine_checks_name_what_each_engine_would_not_run():
+    anatomy = inspect_config(build_tiny("llama", 384, num_key_value_heads=2).config)
+    assert plan_mla(anatomy, kv_budget=0.5, engine="llama.cpp").format == "native"
+    assert plan_mla(anatomy, kv_budget=0.5, format="exact", engine="transformers").exact
+    with pytest.raises(UserError, match=r"llama.cpp would not run .*--format native"):
+        plan_mla(anatomy, kv_budget=0.5, format="exact", engine="llama.cpp")
+    with pytest.raises(UserError, match=r"sglang would not run .*--rope-layout standard"):
+        plan_mla(anatomy, kv_budget=0.5, layout="flexible", engine="sglang")
+    with pytest.raises(UserError, match=r"kv_lora_rank \+ qk_rope_head_dim of 320, 512, 576, this plan has 33"):
+        plan_mla(anatomy, kv_budget=0.5, engine="vllm")

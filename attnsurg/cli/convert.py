@@ -51,6 +51,11 @@ def convert(
         typer.Option("--format", help="native (no biases, the latent norm fitted: llama.cpp, vLLM, SGLang, transformers) "
                      "or exact (full budget reproduces the source; transformers only)."),
     ] = "native",
+    engine: Annotated[
+        Optional[str],
+        typer.Option("--engine", help="transformers, llama.cpp, vllm or sglang: refuse, with the reason, a plan that "
+                     "engine's DeepSeek path would not run."),
+    ] = None,
     calib_dataset: CalibDataset = "wiki-sample",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
@@ -91,6 +96,7 @@ def convert(
         rope_dim=rope_dim,
         rope_layout=rope_layout,
         format=format,
+        engine=engine,
         weighted=not unweighted,
         refine_steps=refine_steps,
         refine_tokens=refine_tokens,

@@ -166,6 +166,30 @@ class MLAPlan:
 
 LAYOUTS = ("standard", "flexible")
 FORMATS = ("native", "exact")
+ENGINES = ("transformers", "llama.cpp", "vllm", "sglang")
+# vLLM 0.33's MLA attention (read from its source): latent + RoPE widths its kernels take, and the
+# (qk_nope, qk_rope, v) head dims one of its prefill backends takes.
+VLLM_MLA_WIDTHS = (320, 512, 576)
+VLLM_PREFILL_DIMS = ((128, 64, 128), (192, 64, 256), (64, 64, 128))
+
+
+def engine_problems(plan: MLAPlan, engine: str) -> list[str]:
+    """Why an engine's DeepSeek path would not run this plan (empty when it would)."""
+    problems = []
+    if engine != "transformers" and plan.exact:
+        problems.append("the exact format has attention biases its DeepSeek graph lacks (use --format native)")
+    if engine != "transformers" and plan.layout == "flexible":
+        problems.append("it reads plain RoPE only, not the flexible layout's longrope factors (use --rope-layout standard)")
+    if engine == "vllm":
+        width, dims = plan.latent_width + plan.rope_dim, (plan.qk_nope_dim, plan.rope_dim, plan.head_dim)
+        if width not in VLLM_MLA_WIDTHS:
+            problems.append(f"its MLA kernels take kv_lora_rank + qk_rope_head_dim of {', '.join(map(str, VLLM_MLA_WIDTHS))}, "
+                            f"this plan has {width}")
+        if dims not in VLLM_PREFILL_DIMS:
+            problems.append(f"its prefill takes (qk_nope, qk_rope, v) head dims of "
+                            f"{', '.join(str(d) for d in VLLM_PREFILL_DIMS)}, this plan has {dims}; attnsurg does not "
+                            "pad or refit head dims for it yet")
+    return problems
 
 
 def default_rope_dim(values: int, head_dim: int, max_rope: int) -> int:
@@ -185,6 +209,7 @@ def plan_mla(
     rope_dim: int | None = None,
     layout: str = "standard",
     format: str = "native",
+    engine: str | None = None,
 ) -> MLAPlan:
     """Turn a budget (fraction of the original KV cache) or explicit sizes into a plan; clear errors otherwise."""
     reason = unsupported_reason(anatomy)
@@ -219,6 +244,11 @@ def plan_mla(
         raise UserError(f"the budget leaves no latent after {rope_dim} RoPE dims; raise --kv-budget or lower --rope-dim")
     if plan.kv_rank > plan.full_rank:
         raise UserError(f"--kv-rank {plan.kv_rank} is above the full rank {plan.full_rank} of keys and values")
+    if engine is not None:
+        if engine not in ENGINES:
+            raise UserError(f"unknown engine '{engine}'; choose {', '.join(ENGINES)}")
+        if problems := engine_problems(plan, engine):
+            raise UserError(f"{engine} would not run this conversion: " + "; ".join(problems))
     return plan
 
 

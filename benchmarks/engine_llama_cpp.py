@@ -23,6 +23,11 @@ def load(path: str, n_ctx: int, logits_all: bool, threads: int = 2, verbose: boo
                  n_threads_batch=threads, verbose=verbose, seed=0)
 
 
+def next_token(model: Llama) -> int:
+    """The greedy next token from the last evaluated position's logits (read in place, no copy)."""
+    return int(np.ctypeslib.as_array(model._ctx.get_logits_ith(-1), shape=(model.n_vocab(),)).argmax())
+
+
 def window_logits(path: str, windows: list[list[int]], out: str) -> dict:
     model = load(path, max(len(w) for w in windows), logits_all=True)
     logits = []
@@ -42,7 +47,7 @@ def greedy(path: str, prompts: list[list[int]], new: int) -> dict:
         model.eval(prompt)
         tokens = []
         for _ in range(new):
-            token = int(np.argmax(model._ctx.get_logits_ith(-1)[: model.n_vocab()]))
+            token = next_token(model)
             tokens.append(token)
             model.eval([token])
         generated.append(tokens)
@@ -57,7 +62,7 @@ def speed(path: str, context: int, new: int, threads: int) -> dict:
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(new):
-        model.eval([int(np.argmax(model._ctx.get_logits_ith(-1)[: model.n_vocab()]))])
+        model.eval([next_token(model)])
     decode = time.perf_counter() - start
     return {"prefill_tokens_per_s": context / prefill, "decode_tokens_per_s": new / decode}
 

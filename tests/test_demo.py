@@ -88,7 +88,7 @@ def test_demo_model_full_budget_flexible_layout_is_exact(demo_model):
     model, tokenizer = load_model(source), load_tokenizer(source)
     family = family_for_surgery("llama")
     windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), 1024, 512)
-    plan = plan_mla(inspect_config(model.config), kv_budget=1.0, layout="flexible")
+    plan = plan_mla(inspect_config(model.config), kv_budget=1.0, layout="flexible", format="exact")
     mla = convert(model, family, windows, plan).model
     ids = windows[:1, :256]
     with torch.no_grad():

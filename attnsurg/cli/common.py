@@ -95,7 +95,8 @@ TrustRemoteCode = Annotated[
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON record instead of a table.")]
 # Options every surgery command (convert, compress) shares.
-CalibDataset = Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset; its calibration part is used.")]
+CalibDataset = Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset, a comma list of them, or all (the six "
+                                                                   "domains, windows in turn); their calibration parts are used.")]
 CalibText = Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")]
 CalibTokens = Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")]
 CalibSeqLen = Annotated[

@@ -56,7 +56,7 @@ def convert(
         typer.Option("--engine", help="transformers, llama.cpp, vllm or sglang: refuse, with the reason, a plan that "
                      "engine's DeepSeek path would not run."),
     ] = None,
-    calib_dataset: CalibDataset = "wiki-sample",
+    calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
     calib_seq_len: CalibSeqLen = 512,

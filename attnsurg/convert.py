@@ -118,8 +118,9 @@ FORMAT_NOTES = {
     "native": "Engine-native format: no attention biases and a fitted latent RMSNorm, the layout of DeepSeek's own "
     "checkpoints; `attnsurg export --gguf` writes it for llama.cpp.",
     "exact": "Exact format: a constant latent channel (an attention bias) neutralises the latent RMSNorm, so a full "
-    "budget reproduces the source; only transformers runs it (other engines' DeepSeek graphs have no attention "
-    "biases). Convert with `--format native` for other engines.",
+    "budget reproduces the source; it runs in transformers (tested). llama.cpp's DeepSeek2 graph has no attention "
+    "biases (attnsurg export refuses it) and vLLM's and SGLang's loaders build these projections without biases "
+    "(read from their source). Convert with `--format native` for other engines.",
 }
 
 

@@ -110,19 +110,26 @@ def test_sampled_output_is_the_attention_output_at_those_rows(q_lora_rank, inter
         assert torch.allclose(sampled_output(attention, x, rope, torch.arange(20)), full, atol=1e-6)
 
 
-def test_per_token_scale_keeps_one_huge_unreachable_target_from_ruling_the_refinement():
-    """As the attention sink does in a real model: one token per window whose target is far out of reach. Measured
-    relative to each token's size, the other tokens are fitted as well as if it were not there."""
-    from attnsurg.calibrate import attention_inputs, second_moment
+def first_layer_on_windows(model, count: int, length: int = 64):
+    """The first attention layer's input on ``count`` random windows, the layer, and its output there."""
+    from attnsurg.calibrate import attention_inputs
 
-    model = build_tiny("llama", 384, num_key_value_heads=2)
-    plan = plan_mla(inspect_config(model.config), kv_budget=0.25)
-    windows = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(1))
+    windows = torch.randint(0, 384, (count, length), generator=torch.Generator().manual_seed(1))
     x = attention_inputs(model, LLAMA, windows)[0]
     attn = model.model.layers[0].self_attn
     with torch.no_grad():
-        rope = model.model.rotary_emb(x[:1], torch.arange(64)[None])
-        clean = attn(hidden_states=x, position_embeddings=rope, attention_mask=causal_mask(64))[0]
+        rope = model.model.rotary_emb(x[:1], torch.arange(length)[None])
+        return x, attn, attn(hidden_states=x, position_embeddings=rope, attention_mask=causal_mask(length))[0]
+
+
+def test_per_token_scale_keeps_one_huge_unreachable_target_from_ruling_the_refinement():
+    """As the attention sink does in a real model: one token per window whose target is far out of reach. Measured
+    relative to each token's size, the other tokens are fitted as well as if it were not there."""
+    from attnsurg.calibrate import second_moment
+
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.25)
+    x, attn, clean = first_layer_on_windows(model, 4)
     sink = clean.clone()
     sink[:, 0] += 1e3 * clean.norm(dim=-1).mean() * torch.randn(4, clean.shape[-1], generator=torch.Generator().manual_seed(2))
     config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
@@ -302,17 +309,12 @@ def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they
     """The last windows are held out: no Adam step reads them, and the kept weights are the ones with the lowest
     held-out error (the closed form when no step lowers it). The converter holds out a quarter as many
     windows as refinement reads, taken after them."""
-    from attnsurg.calibrate import attention_inputs, second_moment
+    from attnsurg.calibrate import second_moment
     from attnsurg.methods import mla
 
     model = build_tiny("llama", 384, num_key_value_heads=2)
     plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
-    windows = torch.randint(0, 384, (10, 64), generator=torch.Generator().manual_seed(1))
-    x = attention_inputs(model, LLAMA, windows)[0]
-    attn = model.model.layers[0].self_attn
-    with torch.no_grad():
-        rope = model.model.rotary_emb(x[:1], torch.arange(64)[None])
-        target = attn(hidden_states=x, position_embeddings=rope, attention_mask=causal_mask(64))[0]
+    x, attn, target = first_layer_on_windows(model, 10)
     config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
     config._attn_implementation = "sdpa"
     trained_on = []

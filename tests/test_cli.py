@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import attnsurg
@@ -86,8 +88,16 @@ def test_unsupported_architecture(tmp_path):
     from transformers import T5Config
 
     T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=32).save_pretrained(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"")
+    save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
     assert_user_error(invoke("info", tmp_path), "not a causal language model", "Qwen2 (qwen2)")
+
+
+def test_truncated_weights_and_a_mistyped_builtin_name(tmp_path, tiny_checkpoints):
+    shutil.copytree(tiny_checkpoints["llama-gqa"], tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    assert_user_error(invoke("eval", "perplexity", tmp_path / "m"), "not a readable safetensors file")
+    assert_user_error(invoke("info", "smollm2"), "did you mean smollm2-135m?")
 
 
 def test_pickle_without_allow_pickle(tmp_path, tiny_checkpoints):

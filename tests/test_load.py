@@ -3,6 +3,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from attnsurg.errors import UserError
@@ -47,6 +48,20 @@ def test_unknown_name_lists_builtins():
         resolve_source("no such model!")
 
 
+def test_a_mistyped_builtin_name_is_answered_at_once_with_the_name():
+    with pytest.raises(UserError, match=r"'smollm2' is not a local path or a built-in model; did you mean smollm2-135m\?"):
+        resolve_source("smollm2")
+
+
+def test_a_truncated_safetensors_file_is_named_before_loading(tiny_checkpoints, tmp_path):
+    target = tmp_path / "truncated"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(UserError, match=r"model.safetensors' is not a readable safetensors file .* truncated"):
+        resolve_source(str(target))
+
+
 def _pickle_checkpoint(tiny_checkpoints, tmp_path):
     target = tmp_path / "pickled"
     target.mkdir()
@@ -80,7 +95,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     from transformers import T5Config
 
     T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=32).save_pretrained(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"")
+    save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
     source = resolve_source(str(tmp_path))
     with pytest.raises(UserError, match=r"not a causal language model.*Llama"):
         load_config(source)

@@ -7,12 +7,14 @@ never run unless the caller passes ``trust_remote_code``.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -55,12 +57,18 @@ def resolve_source(ref: str, allow_pickle: bool = False, trust_remote_code: bool
         return _resolve_dir(ref, path, allow_pickle, trust_remote_code)
     if ref.startswith((".", "/", "~")) or ref.endswith((".gguf", ".safetensors")) or ref.count("/") > 1:
         raise UserError(f"model path '{ref}' does not exist; check the path")
+    if "/" not in ref and (close := difflib.get_close_matches(ref, builtin_models(), n=1, cutoff=0.6)):
+        raise UserError(f"'{ref}' is not a local path or a built-in model; did you mean {close[0]}?")
     if HUB_ID.match(ref):
         return ModelSource(ref, "hub", ref)
     raise UserError(
         f"'{ref}' is not a local checkpoint, a hub id (org/name) or a built-in model "
-        f"({', '.join(n for n, a in ASSETS.items() if a.kind == 'model')})"
+        f"({', '.join(builtin_models())})"
     )
+
+
+def builtin_models() -> list[str]:
+    return [name for name, asset in ASSETS.items() if asset.kind == "model"]
 
 
 def _resolve_file(ref: str, path: Path) -> ModelSource:
@@ -88,7 +96,19 @@ def _resolve_dir(ref: str, path: Path, allow_pickle: bool, trust_remote_code: bo
     if not has_safetensors and not has_pickle:
         raise UserError(f"'{ref}' has a config.json but no weight files (*.safetensors)")
     _check_remote_code(ref, _read_json(config_file), trust_remote_code)
+    for weights in sorted(path.glob("*.safetensors")):
+        _check_safetensors(weights)
     return ModelSource(ref, "dir", str(path))
+
+
+def _check_safetensors(path: Path) -> None:
+    """Read the file's header (not its tensors): a truncated or corrupt file is named before any loading."""
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"'{path}' is not a readable safetensors file ({_first_line(exc)}); it may be truncated: "
+                        "copy or download it again")
 
 
 def _read_json(path: Path) -> dict:

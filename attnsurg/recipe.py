@@ -186,9 +186,9 @@ class MLASettings(Strict):
     """``convert --to mla``: the KV budget as a fraction, or as a latent rank plus RoPE dims."""
 
     to: Literal["mla"] = "mla"
-    kv_budget: float | None = None
-    kv_rank: int | None = None
-    rope_dim: int | None = None
+    kv_budget: float | None = Field(None, gt=0, le=1)
+    kv_rank: int | None = Field(None, gt=0)
+    rope_dim: int | None = Field(None, ge=0)
     rope_layout: Literal["standard", "flexible"] = "standard"
     format: Literal["native", "exact"] = "native"
     engine: Literal["transformers", "llama.cpp", "vllm", "sglang"] | None = None  # refuse what it would not run
@@ -197,6 +197,7 @@ class MLASettings(Strict):
     refine_tokens: int | None = Field(None, gt=0)  # None: the first 2048 calibration tokens, or all when fewer
     refine_lr: float = Field(1e-3, gt=0)
     refine_schedule: Literal["constant", "cosine"] = "constant"
+    short_prompts: float = Field(0.25, ge=0, lt=1)  # share of each calibration window cut into short prompts
 
 
 class LowRankSettings(Strict):
@@ -205,8 +206,8 @@ class LowRankSettings(Strict):
 
     method: Literal["svd", "asvd", "svdllm"] = "svdllm"
     targets: tuple[str, ...] = ("q", "k", "v", "o")
-    ratio: float | None = None
-    rank: int | None = None
+    ratio: float | None = Field(None, gt=0, le=1)
+    rank: int | None = Field(None, gt=0)
     kv_latent: bool = False
     allocate: bool = False
     weighted: bool | None = None
@@ -219,7 +220,7 @@ class HeadTensorSettings(Strict):
 
     method: Literal["tucker", "cp"] = "tucker"
     targets: tuple[str, ...] = ("q", "k", "v", "o")
-    ratio: float | None = None
+    ratio: float | None = Field(None, gt=0, le=1)
     ranks: tuple[int, ...] | None = None
     weighted: bool = True
     stacked: bool = False
@@ -245,8 +246,8 @@ class LokiSettings(Strict):
     ``top_k`` best (a count of keys, or a float in (0, 1]: a fraction of each query's context)."""
 
     method: Literal["loki"] = "loki"
-    rank: int | None = None
-    variance: float | None = None  # instead of rank: per-layer ranks keeping this share of the key variance
+    rank: int | None = Field(None, gt=0)
+    variance: float | None = Field(None, gt=0, le=1)  # instead of rank: per-layer ranks keeping this share of the key variance
     top_k: int | float | None = None
     basis: Literal["post-rope", "pre-rope"] = "post-rope"
 

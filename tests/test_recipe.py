@@ -77,6 +77,12 @@ BAD = {
     "explicit refinement tokens beyond calibration": (
         "model: m\noutput: o\nsteps:\n  - convert: {refine_tokens: 2048}\ncalibration: {tokens: 1024}\n",
         "refinement reads 2048 tokens (refine_tokens, --refine-tokens) but calibration has 1024"),
+    "budget above one": ("model: m\noutput: o\nsteps:\n  - convert:\n      kv_budget: 1.7\n",
+                         "<recipe>:5: steps[0].convert.kv_budget: Input should be less than or equal to 1"),
+    "ratio zero": ("model: m\noutput: o\nsteps:\n  - compress: {method: svd, ratio: 0}\n",
+                   "<recipe>:4: steps[0].compress.ratio: Input should be greater than 0"),
+    "short prompts share": ("model: m\noutput: o\nsteps:\n  - convert: {short_prompts: 1.0}\n",
+                            "steps[0].convert.short_prompts: Input should be less than 1"),
     "not yaml": ("model: m\noutput: [\n", "not valid YAML"),
     "not a mapping": ("- a\n- b\n", "a recipe is a YAML mapping"),
 }
@@ -183,3 +189,12 @@ def test_a_recipe_cannot_grant_itself_remote_code(tmp_path):
     path.write_text("model: {ref: some/model, trust_remote_code: true}\noutput: o\nsteps:\n  - compress: {method: cp, rank: 4}\n")
     result = CliRunner().invoke(app, ["run", str(path)])
     assert result.exit_code == 2 and "pass --trust-remote-code" in result.output
+
+
+def test_validate_checks_every_file_and_fails_when_any_does(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: m\noutput: o\nsteps:\n  - convert:\n      kv_budget: 1.7\n")
+    result = CliRunner().invoke(app, ["recipe", "validate", str(bad), "mla-50", str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 2
+    assert f"{bad}:5: steps[0].convert.kv_budget: Input should be less than or equal to 1" in result.stderr
+    assert "missing.yaml' is not a file" in result.stderr and "mla-50.yaml: ok" in result.stdout

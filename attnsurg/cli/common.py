@@ -42,18 +42,30 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except UserError as exc:
-            ui.console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            print_error(str(exc))
             raise typer.Exit(UserError.exit_code)
         except ValidationError as exc:
-            ui.console.print(f"[bold red]error:[/] {escape(validation_message(exc))}", highlight=False, soft_wrap=True)
+            print_error(validation_message(exc))
             raise typer.Exit(UserError.exit_code)
 
     return wrapper
 
 
+def print_error(message: str) -> None:
+    """One red ``error:`` line on stderr; the message is never read as markup."""
+    ui.console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+CALIBRATION_FLAGS = {"tokens": "--calib-tokens", "seq_len": "--calib-seq-len"}
+
+
 def validation_message(exc: ValidationError) -> str:
+    """The first problem, named by the option that set it (``--kv-budget``) where there is one."""
     first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
+    loc = [str(part) for part in first["loc"]]
+    if len(loc) == 1:
+        loc = [f"--{loc[0].replace('_', '-')}"]
+    where = ".".join(loc)
     message = first["msg"].removeprefix("Value error, ")
     return f"{where}: {message}" if where else message
 
@@ -124,8 +136,11 @@ def calibration_from(dataset: str, text: Path | None, tokens: int, seq_len: int)
     from attnsurg.recipe import Calibration, TextData
 
     data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")
-    return Calibration(data=data, tokens=tokens, seq_len=seq_len)
-
+    try:
+        return Calibration(data=data, tokens=tokens, seq_len=seq_len)
+    except ValidationError as exc:
+        field = str(exc.errors()[0]["loc"][0])
+        raise UserError(f"{CALIBRATION_FLAGS.get(field, field)}: {exc.errors()[0]['msg']}") from None
 
 
 def eval_domains_from(value: str) -> list[str]:

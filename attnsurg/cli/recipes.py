@@ -17,10 +17,12 @@ from attnsurg.cli.common import (
     TrustRemoteCode,
     app,
     out,
+    print_error,
     recipe_app,
     user_errors,
 )
 from attnsurg.cli.report import execute
+from attnsurg.errors import UserError
 
 
 @app.command()
@@ -51,13 +53,22 @@ def run(
 def recipe_validate(
     paths: Annotated[list[Path], typer.Argument(metavar="RECIPE...", help="Recipe files or shipped names.")],
 ) -> None:
-    """Check recipes against the schema (unknown keys, types, methods) without running them."""
+    """Check recipes against the schema (unknown keys, types, value ranges, methods) without running them;
+    every file is checked, and the exit code is 2 when any fails."""
     from attnsurg.io.recipe_file import load_recipe, resolve_recipe
 
+    failed = []
     for path in paths:
-        recipe = load_recipe(path)
+        try:
+            recipe = load_recipe(path)
+        except UserError as exc:
+            print_error(str(exc))
+            failed.append(path)
+            continue
         kinds = " -> ".join(recipe_step_label(step) for step in recipe.steps)
         out.print(f"{resolve_recipe(path)}: ok ({recipe.model.ref}: {kinds} -> {recipe.output})", highlight=False)
+    if failed:
+        raise typer.Exit(UserError.exit_code)
 
 
 def recipe_step_label(step) -> str:

@@ -7,6 +7,8 @@ W x + b has output second moment [W b] E[x~ x~^T] [W b]^T: biases need no specia
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from torch import nn
 
@@ -42,6 +44,49 @@ def mixed_windows(tokenizer, names: list[str], num_tokens: int, seq_len: int) ->
     return torch.stack(rows)
 
 
+SHORT_PROMPT_TOKENS = (8, 128)  # the lengths of the short prompts cut from the end of each calibration window
+
+
+def short_prompt_starts(windows: torch.Tensor, share: float, seed: int = 0) -> torch.Tensor:
+    """``[n, L]`` bool, True where a prompt of its own starts (its positions restart at 0 and it sees nothing
+    before it). Every window starts one; with ``share`` > 0 the window's last ``share`` of tokens is cut into
+    prompts of SHORT_PROMPT_TOKENS lengths (uniformly drawn), so every window, and so every domain of a
+    mixed calibration, also holds the first positions that short prompts are made of."""
+    n, length = windows.shape
+    starts = torch.zeros(n, length, dtype=torch.bool)
+    starts[:, 0] = True
+    short = round(length * share)
+    if short == 0:
+        return starts
+    generator = torch.Generator().manual_seed(seed)
+    low, high = SHORT_PROMPT_TOKENS
+    for row in starts:
+        position = length - short
+        while position < length:
+            row[position] = True
+            position += int(torch.randint(low, high + 1, (1,), generator=generator))
+    return starts
+
+
+def prompt_layout(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per window, each token's position in its prompt ``[n, L]`` and which tokens each token sees
+    ``[n, L, L]`` (causal within its prompt)."""
+    length = starts.shape[1]
+    index = torch.arange(length).expand_as(starts)
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    prompt = starts.long().cumsum(dim=1)
+    visible = (prompt[:, :, None] == prompt[:, None, :]) & (index[:, :, None] >= index[:, None, :])
+    return index - first, visible
+
+
+def prompts_of(window: torch.Tensor, starts: torch.Tensor | None) -> list[torch.Tensor]:
+    """A window's prompts, in order."""
+    if starts is None:
+        return [window]
+    bounds = torch.nonzero(starts).flatten().tolist() + [len(window)]
+    return [window[a:b] for a, b in pairwise(bounds)]
+
+
 def augment(x: torch.Tensor) -> torch.Tensor:
     """Rows of x with a constant 1 appended, in float64."""
     x = x.reshape(-1, x.shape[-1]).double()
@@ -66,8 +111,10 @@ def captured_inputs(model: nn.Module, modules: list[nn.Module], windows: torch.T
     return [torch.cat(chunks) for chunks in captured]
 
 
-def run_with_input_hooks(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor, receive) -> None:
-    """Run the model over each window, calling ``receive(i, x)`` with the input of ``modules[i]``."""
+def run_with_input_hooks(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor, receive,
+                         starts: torch.Tensor | None = None) -> None:
+    """Run the model over each window (each of its prompts on its own, given ``starts``), calling
+    ``receive(i, x)`` with the input of ``modules[i]``."""
 
     def hook_for(index: int):
         def hook(module, args, kwargs):
@@ -79,8 +126,9 @@ def run_with_input_hooks(model: nn.Module, modules: list[nn.Module], windows: to
     device = next(model.parameters()).device
     try:
         with ui.progress_bar("Calibrating", total=len(windows), unit="windows") as advance:
-            for window in windows:
-                model(input_ids=window[None].to(device), use_cache=False, logits_to_keep=1)  # the hooks see it all
+            for i, window in enumerate(windows):
+                for prompt in prompts_of(window, None if starts is None else starts[i]):
+                    model(input_ids=prompt[None].to(device), use_cache=False, logits_to_keep=1)  # the hooks see it all
                 advance()
     finally:
         for handle in handles:
@@ -100,7 +148,7 @@ def attention_input_moments(model: nn.Module, family: Family, windows: torch.Ten
 
 class InputStatistics:
     """Streaming E[x~ x~^T] (augmented, float64) and E|x| of what one module receives ([windows, L, n]), and
-    E[x~ x~^T] over each window's first token alone (where the attention sink is)."""
+    E[x~ x~^T] over each prompt's first token alone (where the attention sink is)."""
 
     def __init__(self) -> None:
         self.tokens = self.windows = 0
@@ -138,8 +186,10 @@ class InputStatistics:
 
 
 @torch.no_grad()
-def input_statistics(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor) -> list[InputStatistics]:
-    """Second moment and mean magnitude of each module's input over the windows, accumulated with hooks."""
+def input_statistics(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor,
+                     starts: torch.Tensor | None = None) -> list[InputStatistics]:
+    """Second moment and mean magnitude of each module's input over the windows (their prompts, given
+    ``starts``), accumulated with hooks."""
     stats = [InputStatistics() for _ in modules]
-    run_with_input_hooks(model, modules, windows, lambda i, x: stats[i].add(x))
+    run_with_input_hooks(model, modules, windows, lambda i, x: stats[i].add(x), starts)
     return stats

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.calibrate import SHORT_PROMPT_TOKENS, short_prompt_starts
 from attnsurg.info import inspect_model
 from attnsurg.heal import HealReport
 from attnsurg.io.card import CardInfo
@@ -59,7 +60,8 @@ def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
             "norm_channel": plan.exact,
             "format": plan.format,
             "rope_dims": plan.rope_dim,
-            "qk_nope_dim": plan.qk_nope_dim,
+            "qk_nope_dim": plan.written_dims[0],
+            "v_head_dim": plan.written_dims[1],
             "kv_values_before": plan.original_values,
             "kv_values_after": plan.cached_values,
             "attention_params_before": before,
@@ -97,9 +99,10 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     surgery = start_surgery(request, source, anatomy)
     started = time.perf_counter()
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
+        starts = short_prompt_starts(surgery.windows, request.short_prompts, request.seed)
         result = convert(
             surgery.model, surgery.family, surgery.windows, plan, request.weighted, refinement_of(request),
-            progress=advance,
+            progress=advance, starts=starts,
         )
     report.convert_seconds = time.perf_counter() - started
     report.plan, report.layer_errors = result.plan, result.layer_errors
@@ -122,6 +125,21 @@ FORMAT_NOTES = {
     "biases (attnsurg export refuses it) and vLLM's and SGLang's loaders build these projections without biases "
     "(read from their source). Convert with `--format native` for other engines.",
 }
+
+
+def engine_note(plan: MLAPlan) -> list[str]:
+    nope, v = plan.written_dims
+    if plan.engine != "vllm":
+        return []
+    return [f"laid out for vLLM: (qk_nope, rope, v) head dims ({nope}, {plan.rope_dim}, {v}) from the fitted "
+            f"({plan.qk_nope_dim}, {plan.rope_dim}, {plan.head_dim}) by zero padding, lm_head stored untied"]
+
+
+def short_prompts_note(share: float) -> str:
+    if not share:
+        return ""
+    low, high = SHORT_PROMPT_TOKENS
+    return f", the last {share:.0%} of each cut into prompts of {low}-{high} tokens run on their own"
 
 
 def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
@@ -155,7 +173,9 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"(latent {plan.kv_rank}{' + 1 norm channel' if plan.exact else ''} + {plan.rope_dim} RoPE dims, "
             f"{plan.format} format, {plan.layout} layout; "
             f"RoPE components kept per frequency, highest first: {list(plan.counts)})",
-            f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}",
+            *engine_note(plan),
+            f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}"
+            + short_prompts_note(request.short_prompts),
             f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "
             + (refinement_note(refinement_of(request), calib.tokens) if request.refine_steps else "no refinement")
             + "; " + healing_note(report),

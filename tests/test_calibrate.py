@@ -1,6 +1,8 @@
 import torch
 
-from attnsurg.calibrate import calibration_windows
+from attnsurg.calibrate import (
+    SHORT_PROMPT_TOKENS, calibration_windows, input_statistics, prompt_layout, prompts_of, short_prompt_starts,
+)
 from attnsurg.pipeline import domain_texts, scored_text
 from attnsurg.recipe import TextData
 
@@ -25,3 +27,40 @@ def test_a_mixed_calibration_is_scored_on_its_first_dataset_and_the_others_are_d
     assert [t.dataset for t in domain_texts(mixed, ["wiki-sample", "c4-sample", "code-sample"], 1024)] == ["c4-sample", "code-sample"]
     single = TextData(dataset="c4-sample", part="calib")
     assert scored_text(single) == single
+
+
+def test_short_prompts_cut_the_end_of_every_window_and_restart_positions():
+    windows = torch.arange(4 * 64).view(4, 64)
+    starts = short_prompt_starts(windows, 0.5, seed=3)
+    assert starts[:, 0].all() and not starts[:, 1:32].any() and starts[:, 32].all()
+    low, high = SHORT_PROMPT_TOKENS
+    for i, row in enumerate(starts):
+        prompts = prompts_of(windows[i], row)
+        assert torch.equal(torch.cat(prompts), windows[i]) and len(prompts[0]) == 32
+        assert all(low <= len(p) <= high for p in prompts[1:-1])
+    positions, visible = prompt_layout(starts)
+    for i, row in enumerate(starts):
+        first = 0
+        for t in range(64):
+            first = t if row[t] else first
+            assert positions[i, t] == t - first
+            assert torch.equal(visible[i, t], (torch.arange(64) >= first) & (torch.arange(64) <= t))
+    assert torch.equal(short_prompt_starts(windows, 0.0), starts & (torch.arange(64) == 0))
+
+
+def test_statistics_over_prompts_see_each_prompt_as_a_model_input_of_its_own():
+    """Every prompt is run alone, so its first token is a first token (an attention sink) in the statistics."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    windows = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    starts = short_prompt_starts(windows, 0.5, seed=1)
+    attention = model.model.layers[0].self_attn
+    packed = input_statistics(model, [attention], windows, starts)[0]
+    prompts = [p for i in range(2) for p in prompts_of(windows[i], starts[i])]
+    alone = [input_statistics(model, [attention], p[None])[0] for p in prompts]
+    assert packed.windows == len(prompts) and packed.tokens == 80
+    expected = sum(s.moment for s in alone) / 80
+    torch.testing.assert_close(packed.sigma, expected)
+    torch.testing.assert_close(packed.sigma_first, sum(s.first_moment for s in alone) / len(prompts))

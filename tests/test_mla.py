@@ -2,6 +2,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -10,6 +11,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
+from attnsurg.methods import mla
 from attnsurg.methods.mla import (
     Refinement, causal_mask, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
 )
@@ -71,7 +73,7 @@ def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(
         hidden = model(ids, output_hidden_states=True).hidden_states
     asked = []
 
-    def perfect_fit(w, config, index, o_weight, x, target, settings, token_scale, held_out):
+    def perfect_fit(w, config, index, o_weight, x, target, settings, token_scale, held_out, layout):
         asked.append((target, token_scale))
         return w, mla.LayerError(1.0, 0.0), target
 
@@ -86,6 +88,46 @@ def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(
         expected = model.model.norm(refiner.original) if index == model.config.num_hidden_layers - 1 else refiner.original
         torch.testing.assert_close(expected, hidden[index + 1], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(refiner.stream, refiner.original, rtol=1e-4, atol=1e-5)
+
+
+def test_windows_cut_into_short_prompts_are_refined_as_prompts_of_their_own(monkeypatch):
+    """With short prompts at the end of each window, the refiner's original stream is the model's own hidden
+    states on each prompt run alone, and the converted layer's output is the layer run on each prompt alone."""
+    from attnsurg.calibrate import prompts_of, short_prompt_starts
+    from attnsurg.methods import mla
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
+    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(1))
+    starts = short_prompt_starts(ids, 0.5, seed=2)
+    config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
+    config._attn_implementation = "sdpa"
+    outputs, refine_layer = [], mla.refine_layer
+
+    def closed_form(w, config, index, o_weight, x, target, settings, token_scale, held_out, layout):
+        output = refine_layer(w, config, index, o_weight, x, target, Refinement(0), token_scale, held_out, layout)[2]
+        outputs.append((w, x, output))
+        return w, mla.LayerError(1.0, 1.0), output
+
+    monkeypatch.setattr(mla, "refine_layer", closed_form)
+    embeddings = model.get_input_embeddings()(ids)
+    refiner = mla.SequentialRefiner(model, LLAMA, embeddings.detach().clone(), config, starts=starts)
+    attention = model.model.layers[0].self_attn
+    weights = fit_layer(attention, torch.eye(model.config.hidden_size + 1, dtype=torch.float64), plan)
+    refiner.refine(0, weights, Refinement(1))
+    w, x, output = outputs[0]
+    layer = mla.mla_attention(config, 0, w, attention.o_proj.weight)
+    rotary = DeepseekV3RotaryEmbedding(config)
+    for i in range(2):
+        bounds = torch.nonzero(starts[i]).flatten().tolist() + [48]
+        with torch.no_grad():
+            hidden = torch.cat([model(p[None], output_hidden_states=True).hidden_states[1][0] for p in prompts_of(ids[i], starts[i])])
+            alone = torch.cat([layer(hidden_states=x[i:i + 1, a:b], attention_mask=causal_mask(b - a),
+                                     position_embeddings=rotary(x[:1], torch.arange(b - a)[None]))[0][0]
+                               for a, b in zip(bounds, bounds[1:])])
+        torch.testing.assert_close(refiner.original[i], hidden, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(output[i], alone, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 24])
@@ -269,7 +311,7 @@ def test_cli_dry_run_prints_the_plan_and_writes_nothing(tiny_checkpoints, tmp_pa
     assert len(plan) == 2 and plan[0]["kv_values_before"] == 64 and plan[0]["kv_values_after"] == 33
     assert not (tmp_path / "out").exists()
     bad = runner.invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--kv-budget", "2", "--dry-run"])
-    assert bad.exit_code == 2 and "must be in (0, 1]" in bad.stderr
+    assert bad.exit_code == 2 and "--kv-budget: Input should be less than or equal to 1" in bad.stderr
     too_much = runner.invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--refine-tokens", "8192",
                                    "--calib-tokens", "4096", "-o", str(tmp_path / "out")])
     assert too_much.exit_code == 2 and "--calib-tokens" in too_much.stderr and len(too_much.stderr.splitlines()) == 1
@@ -320,10 +362,10 @@ def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they
     trained_on = []
     original = mla.sampled_output
 
-    def watching(attention, inputs, rope, rows):
+    def watching(attention, inputs, rope, rows, visible=None):
         if torch.is_grad_enabled():
             trained_on.append(inputs)
-        return original(attention, inputs, rope, rows)
+        return original(attention, inputs, rope, rows, visible)
 
     monkeypatch.setattr(mla, "sampled_output", watching)
     start = fit_layer(attn, second_moment(x), plan)
@@ -339,7 +381,7 @@ def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they
         pass
 
     def refiner(*args):
-        seen.append(args[-1])
+        seen.append(args[4])  # held_out
         raise Seen
 
     monkeypatch.setattr(mla, "SequentialRefiner", refiner)
@@ -358,3 +400,31 @@ def test_engine_checks_name_what_each_engine_would_not_run():
         plan_mla(anatomy, kv_budget=0.5, layout="flexible", engine="sglang")
     with pytest.raises(UserError, match=r"kv_lora_rank \+ qk_rope_head_dim of 320, 512, 576, this plan has 33"):
         plan_mla(anatomy, kv_budget=0.5, engine="vllm")
+
+
+def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_path):
+    """--engine vllm: latent + RoPE of one of vLLM's widths, (qk_nope, rope, v) zero-padded to one of its prefill
+    shapes and lm_head written out (vLLM's DeepSeek never ties it); logits equal the unpadded conversion's."""
+    model = with_mean_direction(build_tiny("llama", 384, hidden_size=384, num_attention_heads=6, num_key_value_heads=3,
+                                           head_dim=64, tie_word_embeddings=True))
+    anatomy = inspect_config(model.config)
+    with pytest.raises(UserError, match=r"this plan has 193 \(--kv-rank 255 --rope-dim 64 gives 320 \(83% of the cache\)\)"):
+        plan_mla(anatomy, kv_budget=0.5, engine="vllm")
+    padded = plan_mla(anatomy, kv_rank=255, rope_dim=64, engine="vllm")
+    plain = plan_mla(anatomy, kv_rank=255, rope_dim=64)
+    assert (plain.qk_nope_dim, plain.head_dim) == (128, 64) and padded.written_dims == (128, 128)
+    windows = torch.randint(0, 384, (4, 48), generator=torch.Generator().manual_seed(0))
+    converted = convert(model, LLAMA, windows, padded).model
+    reference = convert(model, LLAMA, windows, plain).model
+    config = converted.config
+    assert config.kv_lora_rank + config.qk_rope_head_dim in mla.VLLM_MLA_WIDTHS
+    assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) in mla.VLLM_PREFILL_DIMS
+    assert not config.tie_word_embeddings and reference.config.tie_word_embeddings
+    assert sum(p.numel() for p in converted.model.layers[0].self_attn.parameters()) == padded.attention_parameters(384)
+    converted.save_pretrained(tmp_path / "m")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" in f.keys()
+    ids = torch.arange(40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)

@@ -54,7 +54,8 @@ def convert(
     engine: Annotated[
         Optional[str],
         typer.Option("--engine", help="transformers, llama.cpp, vllm or sglang: refuse, with the reason, a plan that "
-                     "engine's DeepSeek path would not run."),
+                     "engine's DeepSeek path would not run, and lay the checkpoint out for it (vllm: head dims "
+                     "zero-padded to its kernel shapes, lm_head untied)."),
     ] = None,
     calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
@@ -71,6 +72,10 @@ def convert(
     refine_schedule: Annotated[
         str, typer.Option("--refine-schedule", help="constant, or cosine (decays to a tenth; pays on long refinements).")
     ] = "constant",
+    short_prompts: Annotated[
+        float, typer.Option("--short-prompts", help="Share of each calibration window (its end) cut into prompts of "
+                            "8-128 tokens of their own, so the first positions short prompts live on are fitted too (0: off).")
+    ] = 0.25,
     eval_tokens: EvalTokens = 2048,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,
@@ -102,6 +107,7 @@ def convert(
         refine_tokens=refine_tokens,
         refine_lr=refine_lr,
         refine_schedule=refine_schedule,
+        short_prompts=short_prompts,
         calibration=calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len),
         eval_tokens=eval_tokens,
         eval_domains=eval_domains_from(eval_domains),

@@ -53,14 +53,15 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
                   "layer_errors": [e._asdict() for e in report.layer_errors], "heal": heal_record(report.heal), "domains": domains_record(report)}
         print(json.dumps(record, indent=2))
         return
-    title = (f"MLA plan for {model}, {report.plan.format} format, {report.plan.layout} RoPE layout "
+    engine = f", laid out for {report.plan.engine}" if report.plan.engine else ""
+    title = (f"MLA plan for {model}, {report.plan.format} format, {report.plan.layout} RoPE layout{engine} "
              "(identical in every layer)")
     table = Table(title=title, title_justify="left")
-    for column in ("layers", "latent rank", "RoPE dims", "qk nope dim", "KV values/token", "attention params/layer"):
+    for column in ("layers", "latent rank", "RoPE dims", "qk nope / v dims", "KV values/token", "attention params/layer"):
         table.add_column(column, justify="right")
     r = rows[0]
     table.add_row(
-        f"0-{len(rows) - 1}", f"{r['latent_rank']}" + (" + 1 norm" if r["norm_channel"] else ""), str(r["rope_dims"]), str(r["qk_nope_dim"]),
+        f"0-{len(rows) - 1}", f"{r['latent_rank']}" + (" + 1 norm" if r["norm_channel"] else ""), str(r["rope_dims"]), f"{r['qk_nope_dim']} / {r['v_head_dim']}",
         f"{r['kv_values_before']} -> {r['kv_values_after']}", f"{r['attention_params_before']:,} -> {r['attention_params_after']:,}",
     )
     out.print(table)

@@ -44,7 +44,7 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -109,6 +109,7 @@ class MLAPlan:
     layout: str = "standard"
     query_bias: bool = False  # the source has query biases
     format: str = "native"
+    engine: str | None = None  # the engine the checkpoint is laid out for (vLLM: padded head dims, untied lm_head)
 
     @property
     def exact(self) -> bool:
@@ -151,15 +152,29 @@ class MLAPlan:
     def qk_nope_dim(self) -> int:
         return min(self.nope_key_dim, self.kv_rank)
 
+    @property
+    def written_dims(self) -> tuple[int, int]:
+        """(qk_nope, v) head dims of the written checkpoint: the fitted ones, or, for vLLM, the smallest of
+        its prefill shapes that holds them (zero-padded)."""
+        if self.engine == "vllm" and (dims := vllm_head_dims(self)):
+            return dims
+        return self.qk_nope_dim, self.head_dim
+
+    @property
+    def fitted(self) -> MLAPlan:
+        """The plan the fit and refinement work in: the same, without an engine's padding."""
+        return replace(self, engine=None)
+
     def attention_parameters(self, hidden: int) -> int:
-        """Parameters of one converted attention layer (q, kv_a, latent norm, kv_b, o; the exact format's biases
-        and query route)."""
+        """Parameters of one converted attention layer as written (q, kv_a, latent norm, kv_b, o; the exact
+        format's biases and query route; an engine's padding)."""
         H, D, R, width = self.num_heads, hidden, self.rope_dim, self.latent_width
-        q_out = H * (self.qk_nope_dim + R)
+        nope, v = self.written_dims
+        q_out = H * (nope + R)
         q = (D + 1) * D + 2 * (D + 1) + q_out * (D + 1) if self.query_route else q_out * D
         kv_a = (width + R) * (D + self.exact)
-        o = H * self.head_dim * D + (D if self.exact else 0)
-        return q + kv_a + width + H * (self.qk_nope_dim + self.head_dim) * width + o
+        o = H * v * D + (D if self.exact else 0)
+        return q + kv_a + width + H * (nope + v) * width + o
 
     @property
     def cached_values(self) -> int:
@@ -176,6 +191,20 @@ VLLM_MLA_WIDTHS = (320, 512, 576)
 VLLM_PREFILL_DIMS = ((128, 64, 128), (192, 64, 256), (64, 64, 128))
 
 
+def vllm_head_dims(plan: MLAPlan) -> tuple[int, int] | None:
+    """The smallest (qk_nope, v) of vLLM's prefill shapes with this RoPE width that holds the plan's dims."""
+    fits = [(nope, v) for nope, rope, v in VLLM_PREFILL_DIMS
+            if rope == plan.rope_dim and nope >= plan.qk_nope_dim and v >= plan.head_dim]
+    return min(fits, key=sum) if fits else None
+
+
+def vllm_width_hint(plan: MLAPlan) -> str:
+    """The vLLM widths this model's KV cache can hold, as the flags that give them."""
+    hints = [f"--kv-rank {width - 64 - 1} --rope-dim 64 gives {width} ({width / plan.original_values:.0%} of the cache)"
+             for width in VLLM_MLA_WIDTHS if width <= plan.original_values and plan.head_dim >= 64]
+    return "; ".join(hints) if hints else f"none fits this model's {plan.original_values} KV values per token"
+
+
 def engine_problems(plan: MLAPlan, engine: str) -> list[str]:
     """Why an engine's DeepSeek path would not run this plan (empty when it would)."""
     problems = []
@@ -187,11 +216,11 @@ def engine_problems(plan: MLAPlan, engine: str) -> list[str]:
         width, dims = plan.latent_width + plan.rope_dim, (plan.qk_nope_dim, plan.rope_dim, plan.head_dim)
         if width not in VLLM_MLA_WIDTHS:
             problems.append(f"its MLA kernels take kv_lora_rank + qk_rope_head_dim of {', '.join(map(str, VLLM_MLA_WIDTHS))}, "
-                            f"this plan has {width}")
-        if dims not in VLLM_PREFILL_DIMS:
+                            f"this plan has {width} ({vllm_width_hint(plan)})")
+        if vllm_head_dims(plan) is None:
             problems.append(f"its prefill takes (qk_nope, qk_rope, v) head dims of "
-                            f"{', '.join(str(d) for d in VLLM_PREFILL_DIMS)}, this plan has {dims}; attnsurg does not "
-                            "pad or refit head dims for it yet")
+                            f"{', '.join(str(d) for d in VLLM_PREFILL_DIMS)}, and zero padding cannot reach one from "
+                            f"this plan's {dims}")
     return problems
 
 
@@ -252,6 +281,7 @@ def plan_mla(
             raise UserError(f"unknown engine '{engine}'; choose {', '.join(ENGINES)}")
         if problems := engine_problems(plan, engine):
             raise UserError(f"{engine} would not run this conversion: " + "; ".join(problems))
+        plan = replace(plan, engine=engine)
     return plan
 
 
@@ -467,8 +497,8 @@ def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tens
         kv_lora_rank=plan.latent_width,
         q_lora_rank=c.hidden_size + 1 if plan.query_route else None,
         qk_rope_head_dim=plan.rope_dim,
-        qk_nope_head_dim=plan.qk_nope_dim,
-        v_head_dim=plan.head_dim,
+        qk_nope_head_dim=plan.written_dims[0],
+        v_head_dim=plan.written_dims[1],
         hidden_act=c.hidden_act,
         max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=c.rms_norm_eps,
@@ -476,7 +506,7 @@ def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tens
         rope_interleave=True,
         attention_bias=plan.exact,
         attention_dropout=0.0,
-        tie_word_embeddings=c.tie_word_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings and plan.engine != "vllm",  # vLLM's DeepSeek never ties lm_head
         bos_token_id=c.bos_token_id,
         eos_token_id=c.eos_token_id,
         pad_token_id=getattr(c, "pad_token_id", None),
@@ -518,6 +548,31 @@ def attention_state(w: MLAWeights, o_weight: torch.Tensor, query_route: bool) ->
     return state
 
 
+def padded_heads(w: MLAWeights, o_weight: torch.Tensor, plan: MLAPlan) -> tuple[MLAWeights, torch.Tensor]:
+    """A fitted layer widened to the plan's written head dims with zero rows and columns: per head, q and the
+    key half of kv_b get zero no-RoPE dims, the value half of kv_b and o_proj zero value dims, so every score
+    and output is unchanged once the softmax scale, (qk_nope + R)^-1/2 in DeepseekV3, is refolded into q."""
+    H, n, R, d = plan.num_heads, plan.qk_nope_dim, plan.rope_dim, plan.head_dim
+    nope, v = plan.written_dims
+    if (nope, v) == (n, d):
+        return w, o_weight
+
+    def widened(rows: torch.Tensor, blocks: list[tuple[int, int]]) -> torch.Tensor:
+        """Per head, each block of ``width`` rows followed by zero rows up to ``padded``."""
+        heads, parts, start = rows.reshape(H, -1, *rows.shape[1:]), [], 0
+        for width, padded in blocks:
+            parts += [heads[:, start:start + width], heads.new_zeros(H, padded - width, *heads.shape[2:])]
+            start += width
+        return torch.cat(parts, dim=1).reshape(-1, *rows.shape[1:])
+
+    rescale = math.sqrt((nope + R) / (n + R))
+    q_blocks = [(n, nope), (R, R)]
+    q_bias = None if w.q_bias is None else widened(w.q_bias, q_blocks) * rescale
+    kv_b = widened(w.kv_b_proj, [(n, nope), (d, v)])
+    o_proj = widened(o_weight.T, [(d, v)]).T
+    return replace(w, q_proj=widened(w.q_proj, q_blocks) * rescale, q_bias=q_bias, kv_b_proj=kv_b), o_proj
+
+
 @torch.no_grad()
 def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: list[MLAWeights]) -> DeepseekV3ForCausalLM:
     """A DeepseekV3 model with the source's embeddings, norms and MLPs and the converted attention."""
@@ -525,9 +580,11 @@ def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: lis
     model = DeepseekV3ForCausalLM(config).to(source.dtype)
     attention_prefix = f".{family.attention_attr}."
     state = {k: v for k, v in source.state_dict().items() if attention_prefix not in k}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = source.get_output_embeddings().weight
     for index, w in enumerate(layers):
         prefix = f"{family.layers_path}.{index}.{family.attention_attr}."
-        o_weight = source.get_submodule(prefix + "o_proj").weight
+        w, o_weight = padded_heads(w, source.get_submodule(prefix + "o_proj").weight.double(), plan)
         state.update({prefix + k: v for k, v in attention_state(w, o_weight, plan.query_route).items()})
     return load_complete_state(model, state, source.dtype)
 
@@ -568,7 +625,23 @@ class Refinement:
 def causal_mask(length: int) -> torch.Tensor:
     """Additive [1, 1, L, L] causal mask, explicit so every attention implementation honours it."""
     blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
-    return torch.zeros(length, length).masked_fill(blocked, torch.finfo(torch.float32).min)[None, None]
+    return additive_mask(~blocked[None])
+
+
+def additive_mask(visible: torch.Tensor) -> torch.Tensor:
+    """[n, 1, L, L] additive mask from which keys each query sees ([n, L, L] bool)."""
+    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[:, None]
+
+
+def window_layout(windows: int, length: int, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's position ``[n, L]`` and what it sees ``[n, L, L]``: plain causal windows, or the prompts
+    that ``starts`` cuts them into (``calibrate.short_prompt_starts``)."""
+    from attnsurg.calibrate import prompt_layout
+
+    if starts is None:
+        starts = torch.zeros(windows, length, dtype=torch.bool)
+        starts[:, 0] = True
+    return prompt_layout(starts)
 
 
 def mla_attention(config: DeepseekV3Config, index: int, w: MLAWeights, o_weight: torch.Tensor) -> DeepseekV3Attention:
@@ -612,9 +685,10 @@ def refined_parameters(attention: DeepseekV3Attention) -> list[torch.nn.Paramete
 
 
 def sampled_output(attention: DeepseekV3Attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   rows: torch.Tensor) -> torch.Tensor:
+                   rows: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
     """The attention output at query positions ``rows`` only, every key and value kept: the same computation
-    as ``attention.forward`` (tested equal), at the cost of len(rows) queries instead of all."""
+    as ``attention.forward`` (tested equal), at the cost of len(rows) queries instead of all. ``rope`` is
+    per window or shared ([n or 1, L, dims]); ``visible`` ([n, L, L] bool) defaults to causal."""
     batch, length = x.shape[:2]
     config = attention.config
     if attention.q_a_proj is None:
@@ -631,7 +705,7 @@ def sampled_output(attention: DeepseekV3Attention, x: torch.Tensor, rope: tuple[
     q_rot, _ = rotate(q_rot, q_rot[..., :1, :], cos[:, rows], sin[:, rows])
     _, k_rot = rotate(k_rot[..., :1, :], k_rot, cos, sin)
     keys, values = attention.expand_kv(latent, k_rot)
-    visible = rows[:, None] >= torch.arange(length)[None]
+    visible = rows[:, None] >= torch.arange(length)[None] if visible is None else visible[:, None, rows]
     output = torch.nn.functional.scaled_dot_product_attention(
         torch.cat([q_pass, q_rot], dim=-1), keys, values, attn_mask=visible, scale=attention.scaling
     )
@@ -641,6 +715,7 @@ def sampled_output(attention: DeepseekV3Attention, x: torch.Tensor, rope: tuple[
 def refine_layer(
     w: MLAWeights, config: DeepseekV3Config, index: int, o_weight: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
     settings: Refinement, token_scale: torch.Tensor | None = None, held_out: int = 0,
+    layout: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[MLAWeights, LayerError, torch.Tensor]:
     """Adam on the converted layer so its output on the windows ``x`` matches ``target``; returns the kept
     weights, their errors (on REFINE_STEP_QUERIES fixed query rows of every window) and the layer's output on
@@ -656,9 +731,11 @@ def refine_layer(
     40 steps of one 512-token window reached a lower layer error than 20 full-batch steps over 4 windows at
     half the compute; scoring a quarter of the queries per step then halves the default conversion (103 s ->
     55 s at 0.5) for a ppl ratio 2-6% higher (benchmarks/mla_budget.py --refine-queries 512 against the
-    default). ``token_scale`` ([n, L, 1]) weights each token's error."""
+    default). ``token_scale`` ([n, L, 1]) weights each token's error; ``layout`` (``window_layout``) says
+    where the windows' prompts start (default: one per window)."""
     length, train = x.shape[1], x.shape[0] - held_out
-    rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(length)[None])
+    positions, visible = layout if layout is not None else window_layout(x.shape[0], length)
+    cos, sin = DeepseekV3RotaryEmbedding(config)(x[:1], positions)
     token_scale = torch.ones(*x.shape[:2], 1) if token_scale is None else token_scale
     energy = (target[:train] * token_scale[:train]).pow(2).mean()
     attention = mla_attention(config, index, w, o_weight)
@@ -668,8 +745,11 @@ def refine_layer(
     def random_rows() -> torch.Tensor:
         return torch.randperm(length, generator=generator)[:queries].sort().values
 
+    def output_at(rows: torch.Tensor, windows: slice) -> torch.Tensor:
+        return sampled_output(attention, x[windows], (cos[windows], sin[windows]), rows, visible[windows])
+
     def error_at(rows: torch.Tensor, windows: slice) -> torch.Tensor:
-        error = sampled_output(attention, x[windows], rope, rows) - target[windows][:, rows]
+        error = output_at(rows, windows) - target[windows][:, rows]
         return (error * token_scale[windows][:, rows]).pow(2).mean() / energy
 
     @torch.no_grad()
@@ -710,7 +790,7 @@ def refine_layer(
         attention = mla_attention(config, index, w, o_weight)
     with torch.no_grad():
         every_row = torch.arange(length)
-        output = torch.cat([sampled_output(attention, chunk, rope, every_row) for chunk in x.split(WINDOWS_PER_CHUNK)])
+        output = torch.cat([output_at(every_row, slice(i, i + WINDOWS_PER_CHUNK)) for i in range(0, len(x), WINDOWS_PER_CHUNK)])
     errors = LayerError(before, error_over(0, train), held_before, error_over(train, x.shape[0]), steps)
     return (weights_of(attention, w) if steps else w), errors, output
 
@@ -746,16 +826,15 @@ class SequentialRefiner:
     BRECQ do), so each layer learns to undo the drift of the layers before it: layer l's attention sees
     norm(h'_l) and is fitted to h_l + a_l - h'_l, where h_l, a_l are the original model's residual stream and
     attention output and h'_l is the converted model's residual stream. Both streams advance layer by layer
-    from the embeddings, so memory holds two streams whatever the depth."""
+    from the embeddings, so memory holds two streams whatever the depth. ``starts`` cuts the windows into
+    prompts of their own (``calibrate.short_prompt_starts``)."""
 
     def __init__(self, source: PreTrainedModel, family: Family, embeddings: torch.Tensor, config: DeepseekV3Config,
-                 held_out: int = 0):
+                 held_out: int = 0, starts: torch.Tensor | None = None):
         self.source, self.family, self.config, self.held_out = source, family, config, held_out
         self.original = embeddings  # [n, L, D]: the first decoder layer's input on the refinement windows, held-out last
         self.stream = embeddings.clone()
-        length = embeddings.shape[1]
-        self.mask = causal_mask(length)
-        self.positions = torch.arange(length)[None]
+        self.layout = window_layout(*embeddings.shape[:2], starts)
 
     @torch.no_grad()
     def refine(self, index: int, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, LayerError]:
@@ -766,16 +845,22 @@ class SequentialRefiner:
         target = self.original + attended - self.stream
         token_scale = (self.original + attended).pow(2).mean(-1, keepdim=True).rsqrt()
         w, errors, output = refine_layer(w, self.config, index, source_attn.o_proj.weight, norm(self.stream),
-                                         target, settings, token_scale, self.held_out)
+                                         target, settings, token_scale, self.held_out, self.layout)
         self.original = self.finish_layer(layer, self.original + attended)
         self.stream = self.finish_layer(layer, self.stream + output)
         return w, errors
 
     def source_attention(self, attention, x: torch.Tensor) -> torch.Tensor:
         """The original attention's output on every window, a few windows at a time."""
-        rope = self.source.get_submodule(self.family.rotary_path)(x[:1], self.positions)
-        return torch.cat([attention(hidden_states=chunk, position_embeddings=rope, attention_mask=self.mask)[0]
-                          for chunk in x.split(WINDOWS_PER_CHUNK)])
+        positions, visible = self.layout
+        rotary = self.source.get_submodule(self.family.rotary_path)
+        outputs = []
+        for i in range(0, len(x), WINDOWS_PER_CHUNK):
+            chunk = slice(i, i + WINDOWS_PER_CHUNK)
+            rope = rotary(x[chunk], positions[chunk])
+            outputs.append(attention(hidden_states=x[chunk], position_embeddings=rope,
+                                     attention_mask=additive_mask(visible[chunk]))[0])
+        return torch.cat(outputs)
 
     def finish_layer(self, layer, stream: torch.Tensor) -> torch.Tensor:
         """The rest of a decoder layer after its attention's residual add: the MLP's residual add."""
@@ -792,25 +877,28 @@ def convert(
     weighted: bool = True,
     refinement: Refinement | None = None,
     progress=None,
+    starts: torch.Tensor | None = None,
 ) -> MLAConversion:
     """Convert every layer from calibration windows (token ids): the closed form from the attention inputs'
     second moment over all windows, then, given ``refinement`` with steps, sequential refinement on the first
-    ``refinement.tokens`` of them, watched on up to HELD_OUT_SHARE as many windows that follow them."""
+    ``refinement.tokens`` of them, watched on up to HELD_OUT_SHARE as many windows that follow them.
+    ``starts`` ([n, L] bool, ``calibrate.short_prompt_starts``) cuts the windows into prompts of their own."""
     from attnsurg.calibrate import input_statistics
 
     # One hooked pass streams each attention input's second moment over all windows; refinement starts from the
     # token embeddings of its windows (the first decoder layer's input in the Llama family).
     attentions = [getattr(layer, family.attention_attr) for layer in source.get_submodule(family.layers_path)]
-    statistics = input_statistics(source, attentions, windows)
+    statistics = input_statistics(source, attentions, windows, starts)
     refinement = refinement if refinement and refinement.steps else None
-    config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
+    config = deepseek_config(source, plan.fitted, source.get_submodule(family.rotary_path).inv_freq)
     config._attn_implementation = "sdpa"  # the standalone refinement modules (sampled_output calls sdpa itself)
     refiner = None
     if refinement:
         keep = min(len(windows), max(1, refinement.tokens // windows.shape[1]))
         held_out = min(len(windows) - keep, math.ceil(keep * HELD_OUT_SHARE))
         embeddings = source.get_input_embeddings()(windows[: keep + held_out].to(source.device)).float().cpu()
-        refiner = SequentialRefiner(source, family, embeddings, config, held_out)
+        used = None if starts is None else starts[: keep + held_out]
+        refiner = SequentialRefiner(source, family, embeddings, config, held_out, used)
     layers, errors = [], []
     for index, (attn, stats) in enumerate(zip(attentions, statistics)):
         weights = fit_layer(attn, stats.sigma, plan, weighted, stats.sigma_first)

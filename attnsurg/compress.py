@@ -24,7 +24,7 @@ from attnsurg.methods.loki import LokiPlan, apply_loki, plan_loki
 from attnsurg.methods.stacked_tucker import StackedTuckerPlan, compress_stacked_tucker, plan_stacked_tucker
 from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
 from attnsurg.modeling import MODELING_FILE
-from attnsurg.pipeline import base_model_id, command_line, finish_surgery, healing_note, start_surgery
+from attnsurg.pipeline import base_model_id, command_line, described_data, finish_surgery, healing_note, start_surgery
 from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank, Recipe
 
 Plan = LowRankPlan | HeadTensorPlan | StackedTuckerPlan
@@ -128,7 +128,7 @@ def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None 
 
 def loki_card(request: CompressLoki, report: CompressReport) -> CardInfo:
     plan, calib = report.plan, request.calibration
-    data = calib.data.dataset or str(calib.data.text)
+    data = described_data(calib.data)
     top_k = f"{plan.top_k:g} of each query's context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
     figures = [{"metric": "KV bytes per token (bf16)", "before": f"{report.anatomy.kv_bytes_per_token('bfloat16'):,}",
                 "after": f"{report.anatomy.kv_bytes_per_token('bfloat16'):,} (keys cached rotated, full width)"}]
@@ -136,10 +136,10 @@ def loki_card(request: CompressLoki, report: CompressReport) -> CardInfo:
         title=f"{request.model.ref} with Loki top-k attention (rank {plan.rank_label()}, top-k {top_k})",
         summary=(
             "Every layer scores keys with their first principal coordinates and attends exactly over the best "
-            "ones (Loki). The weights are the original's; the checkpoint adds one PCA basis per layer and KV head. "
-            "Load with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` or with attnsurg."
+            "ones (Loki). The weights are the original's; the checkpoint adds one PCA basis per layer and KV head."
         ),
         base_model=base_model_id(request.model.ref),
+        tags=["loki", "top-k-attention"],
         command=command_line(),
         details=[
             f"rank {plan.rank_label()} of head dim {plan.head_dim}; top-k {top_k} (the current token always kept); "
@@ -191,7 +191,7 @@ def fit_note(plan: Plan) -> str:
 def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
     plan, anatomy = report.plan, report.anatomy
     calib = request.calibration
-    data = calib.data.dataset or str(calib.data.text)
+    data = described_data(calib.data)
     flops_before, flops_after = projection_flops(plan)
     tensor = isinstance(plan, (HeadTensorPlan, StackedTuckerPlan))
     kv_after = plan.kv_values_after()
@@ -214,11 +214,10 @@ def lowrank_card(request: Request, report: CompressReport) -> CardInfo:
     return CardInfo(
         title=f"{request.model.ref} with {'tensor-decomposed' if tensor else 'low-rank'} attention ({plan.method})",
         summary=(
-            f"Attention projections factorized by attnsurg ({plan.method}).{kv_note} Load with "
-            "`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` (the modeling code ships in "
-            "`modeling_attnsurg.py`) or with attnsurg, which needs no remote code."
+            f"Attention projections factorized by attnsurg ({plan.method}).{kv_note}"
         ),
         base_model=base_model_id(request.model.ref),
+        tags=[plan.method, "tensor-decomposition" if tensor else "low-rank"],
         command=command_line(),
         details=[
             budget_details(request, plan),

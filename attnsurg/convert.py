@@ -14,7 +14,7 @@ from attnsurg.io.card import CardInfo
 from attnsurg.methods.mla import (
     REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, LayerError, MLAPlan, Refinement, convert, plan_mla,
 )
-from attnsurg.pipeline import base_model_id, command_line, finish_surgery, healing_note, start_surgery
+from attnsurg.pipeline import base_model_id, command_line, described_data, finish_surgery, healing_note, start_surgery
 from attnsurg.recipe import ConvertMLA, Recipe
 
 
@@ -127,6 +127,12 @@ FORMAT_NOTES = {
 }
 
 
+def rope_counts_note(counts: tuple[int, ...]) -> str:
+    if len(set(counts)) == 1:
+        return f"{counts[0]} at each of the {len(counts)} frequencies"
+    return str(list(counts))
+
+
 def engine_note(plan: MLAPlan) -> list[str]:
     nope, v = plan.written_dims
     if plan.engine != "vllm":
@@ -145,7 +151,7 @@ def short_prompts_note(share: float) -> str:
 def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
     plan, anatomy = report.plan, report.anatomy
     calib = request.calibration
-    data = calib.data.dataset or str(calib.data.text)
+    data = described_data(calib.data)
     figures = [
         {"metric": "KV values per token per layer", "before": str(plan.original_values), "after": str(plan.cached_values)},
         {"metric": "KV bytes per token (bf16)", "before": f"{anatomy.kv_bytes_per_token('bfloat16'):,}",
@@ -167,12 +173,13 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             + " " + LAYOUT_NOTES[plan.layout]
         ),
         base_model=base_model_id(request.model.ref),
+        tags=["mla", "multi-head-latent-attention", "deepseek_v3"],
         command=command_line(),
         details=[
             f"KV budget: {plan.cached_values} of {plan.original_values} values per layer per token "
             f"(latent {plan.kv_rank}{' + 1 norm channel' if plan.exact else ''} + {plan.rope_dim} RoPE dims, "
             f"{plan.format} format, {plan.layout} layout; "
-            f"RoPE components kept per frequency, highest first: {list(plan.counts)})",
+            f"RoPE components kept per frequency, highest first: {rope_counts_note(plan.counts)})",
             *engine_note(plan),
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}"
             + short_prompts_note(request.short_prompts),

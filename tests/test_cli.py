@@ -133,7 +133,7 @@ def test_invalid_request_values(tiny_checkpoints, corpus_file):
     model = tiny_checkpoints["llama-gqa"]
     assert_user_error(invoke("eval", "perplexity", model, "--text", corpus_file, "--max-length", "64", "--stride", "65"), "stride")
     assert_user_error(invoke("eval", "perplexity", model, "--text", corpus_file, "--max-length", "64", "--max-tokens", "10"), "max_tokens")
-    assert_user_error(invoke("eval", "perplexity", model, "--text", corpus_file, "--batch-size", "0"), "batch_size")
+    assert_user_error(invoke("eval", "perplexity", model, "--text", corpus_file, "--batch-size", "0"), "--batch-size: Input should be greater than 0")
     assert_user_error(invoke("eval", "perplexity", model, "--text", corpus_file, "--dtype", "int4"), "dtype: Input should be")
 
 

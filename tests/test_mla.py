@@ -2,6 +2,7 @@ import json
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -258,7 +259,12 @@ def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, forma
     assert sum(p.numel() for p in model.model.layers[0].self_attn.parameters()) == \
         report.plan.attention_parameters(model.config.hidden_size)
     card = (tmp_path / "mla" / "README.md").read_text()
-    assert "ppl" in card and "calibration part" in card
+    assert "ppl" in card and "calibration part" in card and "## Use it" in card and "trust_remote_code" not in card
+    layers = model.config.num_hidden_layers
+    attention = f"| attention parameters | {sum(p.numel() for n, p in AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant]).named_parameters() if '.self_attn.' in n):,} | "
+    assert attention + f"{layers * report.plan.attention_parameters(model.config.hidden_size):,} |" in card
+    metadata = ModelCard.load(tmp_path / "mla" / "README.md").data
+    assert metadata.pipeline_tag == "text-generation" and "mla" in metadata.tags
     assert (tmp_path / "mla" / "attnsurg_recipe.yaml").is_file()
     assert report.ppl_after is not None and report.ppl_after > 0
     assert 0 < report.convert_seconds < report.seconds

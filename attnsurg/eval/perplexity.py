@@ -277,10 +277,10 @@ def eval_windows(tokenizer, data: TextData, max_length: int, max_tokens: int) ->
     return tokens, plan_for(request, tokens, text)
 
 
-def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window]) -> float:
-    """Token perplexity of an in-memory model on prepared windows."""
+def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window], label: str = "in-memory model") -> float:
+    """Token perplexity of an in-memory model on prepared windows; ``label`` names it on the progress bar."""
     device = next(model.parameters()).device
-    score = score_windows(model, tokens.ids, windows, 1, device, "in-memory model")
+    score = score_windows(model, tokens.ids, windows, 1, device, label)
     return math.exp(score.nll / score.tokens)
 
 

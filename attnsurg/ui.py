@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+)
 
 console = Console(stderr=True)
 _quiet = False
@@ -52,6 +54,8 @@ def progress_bar(description: str, total: int, unit: str = "") -> Iterator[calla
         MofNCompleteColumn(),
         TextColumn(unit),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         TextColumn("{task.fields[note]}"),
     ]
     with Progress(*columns, console=console, transient=True) as bar:

@@ -186,6 +186,9 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "
             + (refinement_note(refinement_of(request), calib.tokens) if request.refine_steps else "no refinement")
             + "; " + healing_note(report),
+            "perplexity on long windows does not show what short prompts lose (on the demo model at 50% KV, short "
+            "factual answers fell further than perplexity did): check them with `attnsurg eval tasks SOURCE THIS "
+            "--tasks facts,cloze,passkey` before you ship",
         ],
         figures=figures,
     )

@@ -73,9 +73,10 @@ def info_table(record: dict) -> Table:
         ("KV values per token", f"{a['kv_values_per_token']:,} ("
          + ("mean " if len(set(a["kv_layer_values"])) > 1 else "") + f"{a['kv_values_per_layer']} per layer)"),
         (f"KV bytes per token ({a['dtype']})", f"{a['kv_bytes_per_token']:,}"),
-        ("KV bytes per token (bfloat16)", f"{a['kv_bytes_per_token_bf16']:,}"),
         ("methods", methods_cell(record["methods"])),
     ]
+    if a["dtype"] != "bfloat16":
+        rows.insert(-1, ("KV bytes per token (bfloat16)", f"{a['kv_bytes_per_token_bf16']:,}"))
     if a["surgery"]:
         rows.insert(-1, ("surgery", surgery_cell(a["surgery"])))
     for name, value in rows:

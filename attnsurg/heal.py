@@ -32,7 +32,7 @@ from attnsurg import ui
 from attnsurg.data import load_text
 from attnsurg.distillation import Head, LossWeights, logit_loss, residual_stream_error
 from attnsurg.errors import UserError
-from attnsurg.eval.perplexity import perplexity_of
+from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.methods.mla import hold_norm_channel, norm_channel_of
 from attnsurg.recipe import HealSettings, TextData
 
@@ -323,7 +323,6 @@ def train_step(accelerator, distiller: Distiller, optimizer, scheduler, windows,
 def held_out_windows(tokenizer, settings: HealSettings):
     """Scored during training: the start of the training dataset's eval part (a user's file: its start,
     which the training text includes)."""
-    from attnsurg.pipeline import scoring_windows
 
     return scoring_windows(tokenizer, settings.data, settings.eval_tokens, None)
 

@@ -18,7 +18,8 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.calibrate import calibration_windows
 from attnsurg.data import parse_datasets
-from attnsurg.eval.perplexity import eval_windows, perplexity_of
+from attnsurg.eval.perplexity import perplexity_of, scoring_windows
+from attnsurg.heal import heal_model, heal_state_dir, remove_heal_state
 from attnsurg.io.card import CardInfo
 from attnsurg.io.load import DTYPES, load_model, load_tokenizer
 from attnsurg.io.save import check_output_path, write_checkpoint
@@ -46,12 +47,6 @@ def load_source(ref: ModelRef, source) -> tuple[PreTrainedModel, object]:
 def source_windows(tokenizer, calibration: Calibration, anatomy: AttentionAnatomy) -> torch.Tensor:
     seq_len = min(calibration.seq_len, anatomy.max_positions or calibration.seq_len)
     return calibration_windows(tokenizer, calibration.data, calibration.tokens, seq_len)
-
-
-def scoring_windows(tokenizer, data: TextData, eval_tokens: int, max_positions: int | None):
-    """The first ``eval_tokens`` of the data's eval part (a user's file: its start) in windows of up to 1024."""
-    length = min(1024, eval_tokens, max_positions or 1024)
-    return eval_windows(tokenizer, data.model_copy(update={"part": "eval"}), length, eval_tokens)
 
 
 def scored_text(calibration: TextData) -> TextData:
@@ -208,8 +203,6 @@ def finish_surgery(
         held_out = scoring_windows(surgery.tokenizer, scored_text(request.calibration.data), request.eval_tokens,
                                    anatomy.max_positions)
     if recipe.heal is not None:
-        from attnsurg.heal import heal_model, heal_state_dir
-
         before_healing = perplexity_of(result, *held_out, "the result before healing") if held_out is not None else None
         report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed, heal_state_dir(request.output))
         report.heal.ppl_start = before_healing
@@ -238,8 +231,6 @@ def finish_surgery(
         add_healing(info, report.heal, recipe.heal, report.ppl_before)
     report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, info, request.overwrite, extra_files=files))
     if recipe.heal is not None:
-        from attnsurg.heal import heal_state_dir, remove_heal_state
-
         remove_heal_state(heal_state_dir(request.output))
 
 

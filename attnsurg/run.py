@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.errors import UserError
-from attnsurg.eval.perplexity import perplexity_of
+from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.heal import HealReport, heal_model, heal_state_dir, remove_heal_state
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
@@ -29,7 +29,6 @@ from attnsurg.pipeline import (
     peak_memory_gb,
     perplexity_row,
     score_domains,
-    scoring_windows,
     to_source_dtype,
 )
 from attnsurg.recipe import MLASettings, ModelRef, Recipe

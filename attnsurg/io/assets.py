@@ -234,7 +234,7 @@ def ensure_text(name: str) -> Path:
 def ensure_demo_model(name: str = DEMO_MODEL) -> Path:
     """Path to the demo model as a safetensors checkpoint directory, building it on first use."""
     from attnsurg.io.card import CardInfo
-    from attnsurg.io.load import load_gguf
+    from attnsurg.io.gguf_load import load_gguf
     from attnsurg.io.save import write_checkpoint
 
     asset = ASSETS[name]

@@ -22,6 +22,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from attnsurg.arch.families import supported_names
 from attnsurg.errors import UserError
 from attnsurg.io.assets import ASSETS, ensure_demo_model
+from attnsurg.io.gguf_load import load_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -186,23 +187,6 @@ def resolve_dtype(dtype: str, device: torch.device, config: PretrainedConfig | N
         return torch.float32
     native = str(getattr(config, "dtype", None) or "").removeprefix("torch.")
     return DTYPES.get(native, torch.bfloat16) if native in ("bfloat16", "float16") else torch.bfloat16
-
-
-def load_gguf(gguf_file: Path, dtype: torch.dtype = torch.float32):
-    """Dequantize a GGUF checkpoint with transformers; returns a model that can be saved."""
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    strip_quantizer(model)
-    return model, tokenizer
-
-
-def strip_quantizer(model: PreTrainedModel) -> None:
-    """Forget the GGUF quantizer: the weights are already dequantized, and save_pretrained refuses otherwise."""
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if getattr(model, "is_quantized", False):
-        model.is_quantized = False
 
 
 def load_model(

@@ -11,6 +11,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer, model_validator
 
+from attnsurg.errors import UserError
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -68,6 +70,26 @@ class TextData(Strict):
         if self.dataset and self.text:
             raise ValueError("give either dataset or text, not both")
         return self
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_datasets(cls, dataset: str | None) -> str | None:
+        """Every name checked when the request is made, before any model loads."""
+        from attnsurg.data import parse_datasets
+
+        if dataset is not None:
+            try:
+                parse_datasets(dataset)
+            except UserError as exc:
+                raise ValueError(str(exc)) from None
+        return dataset
+
+    @field_validator("text")
+    @classmethod
+    def _text_exists(cls, text: Path | None) -> Path | None:
+        if text is not None and not Path(text).expanduser().is_file():
+            raise ValueError(f"text file '{text}' does not exist")
+        return text
 
 
 class PerplexityEval(Strict):

@@ -92,6 +92,14 @@ def test_unsupported_architecture(tmp_path):
     assert_user_error(invoke("info", tmp_path), "not a causal language model", "Qwen2 (qwen2)")
 
 
+def test_calibration_data_is_checked_before_anything_loads(tmp_path):
+    """A dry run loads no weights, so these fail in it: the data was checked when the request was made."""
+    assert_user_error(invoke("convert", "smollm2-135m", "--calib-dataset", "wikki-sample", "-o", tmp_path / "o", "--dry-run"),
+                      "--calib-dataset: unknown dataset 'wikki-sample'; did you mean 'wiki-sample'?")
+    assert_user_error(invoke("compress", "smollm2-135m", "--method", "svd", "--calib-text", tmp_path / "none.txt", "-o",
+                             tmp_path / "o", "--dry-run"), "--calib-text: text file")
+
+
 def test_truncated_weights_and_a_mistyped_builtin_name(tmp_path, tiny_checkpoints):
     shutil.copytree(tiny_checkpoints["llama-gqa"], tmp_path / "m")
     weights = tmp_path / "m" / "model.safetensors"

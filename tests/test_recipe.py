@@ -83,6 +83,10 @@ BAD = {
                    "<recipe>:4: steps[0].compress.ratio: Input should be greater than 0"),
     "short prompts share": ("model: m\noutput: o\nsteps:\n  - convert: {short_prompts: 1.0}\n",
                             "steps[0].convert.short_prompts: Input should be less than 1"),
+    "unknown dataset": ("model: m\noutput: o\nsteps:\n  - convert: {}\ncalibration:\n  data: {dataset: wikki-sample}\n",
+                        "<recipe>:6: calibration.data.dataset: unknown dataset 'wikki-sample'; did you mean 'wiki-sample'?"),
+    "missing text file": ("model: m\noutput: o\nsteps:\n  - convert: {}\ncalibration:\n  data: {text: /no/such.txt}\n",
+                          "calibration.data.text: text file '/no/such.txt' does not exist"),
     "not yaml": ("model: m\noutput: [\n", "not valid YAML"),
     "not a mapping": ("- a\n- b\n", "a recipe is a YAML mapping"),
 }

@@ -56,7 +56,8 @@ def print_error(message: str) -> None:
     ui.console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-CALIBRATION_FLAGS = {"tokens": "--calib-tokens", "seq_len": "--calib-seq-len"}
+CALIBRATION_FLAGS = {"tokens": "--calib-tokens", "seq_len": "--calib-seq-len", "dataset": "--calib-dataset",
+                     "text": "--calib-text"}
 
 
 def validation_message(exc: ValidationError) -> str:
@@ -135,12 +136,13 @@ def calibration_from(dataset: str, text: Path | None, tokens: int, seq_len: int)
     """The Calibration request the --calib-* options describe (always the calibration part)."""
     from attnsurg.recipe import Calibration, TextData
 
-    data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")
     try:
+        data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")
         return Calibration(data=data, tokens=tokens, seq_len=seq_len)
     except ValidationError as exc:
         field = str(exc.errors()[0]["loc"][0])
-        raise UserError(f"{CALIBRATION_FLAGS.get(field, field)}: {exc.errors()[0]['msg']}") from None
+        message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise UserError(f"{CALIBRATION_FLAGS.get(field, field)}: {message}") from None
 
 
 def eval_domains_from(value: str) -> list[str]:

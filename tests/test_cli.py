@@ -248,3 +248,15 @@ def test_error_text_is_printed_as_written(tmp_path):
     """Brackets in a path are text, not console markup."""
     assert_user_error(invoke("info", tmp_path / "runs" / "exp[/old]"), "exp[/old]")
     assert_user_error(invoke("info", tmp_path / "run[bold]" / "model[v2]"), "run[bold]", "model[v2]")
+
+
+def test_quiet_may_follow_the_command_and_flags_show_no_type():
+    from attnsurg.cli import global_options_first
+
+    assert global_options_first(["info", "m", "--quiet"]) == ["--quiet", "info", "m"]
+    assert global_options_first(["-q", "info", "m"]) == ["-q", "info", "m"]
+    assert global_options_first(["info", "m"]) == ["info", "m"]
+    result = CliRunner().invoke(app, ["convert", "--help"], env={"COLUMNS": "120"})
+    flags = [line for line in result.output.splitlines() if any(f in line for f in ("--json", "--dry-run", "--overwrite"))]
+    assert result.exit_code == 0 and len(flags) == 3 and not any("<bool>" in line for line in flags)
+    assert "(default: the first 2048)" in result.output and "Random seed" in result.output

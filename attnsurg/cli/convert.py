@@ -61,12 +61,12 @@ def convert(
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
     calib_seq_len: CalibSeqLen = 512,
-    unweighted: Annotated[bool, typer.Option("--unweighted", help="Plain PCA for the latent (no consumer weighting).")] = False,
+    unweighted: Annotated[bool, typer.Option("--unweighted", metavar="", help="Plain PCA for the latent (no consumer weighting).")] = False,
     refine_steps: Annotated[
         int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of one calibration window each) against the original layer's output (0: closed form only).")
     ] = 40,
     refine_tokens: Annotated[
-        Optional[int], typer.Option("--refine-tokens", help="Calibration tokens used for refinement [default: the first 2048].")
+        Optional[int], typer.Option("--refine-tokens", help="Calibration tokens used for refinement (default: the first 2048).")
     ] = None,
     refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate (the peak, with cosine).")] = 1e-3,
     refine_schedule: Annotated[

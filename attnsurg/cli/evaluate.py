@@ -147,7 +147,7 @@ def eval_tasks(
     ] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="At most N items per task (facts, cloze, lm-eval); default all.")] = None,
     passkey_lengths: Annotated[
-        Optional[str], typer.Option("--passkey-lengths", help="Prompt lengths in tokens, e.g. 512,2048 [default: 512, 1024, ... up to the model's context].")
+        Optional[str], typer.Option("--passkey-lengths", help="Prompt lengths in tokens, e.g. 512,2048 (default: 512, 1024, ... up to the model's context).")
     ] = None,
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",

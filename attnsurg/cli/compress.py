@@ -77,7 +77,7 @@ def compress(
         bool, typer.Option("--stacked", metavar="", help="Tucker: q, k, v, o of a layer in one decomposition, factors shared "
                            "across heads and projections (TensorLLM); --ranks head_dim,hidden.")
     ] = False,
-    calib_dataset: CalibDataset = "wiki-sample",
+    calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
     calib_seq_len: CalibSeqLen = 512,

@@ -260,3 +260,20 @@ def test_quiet_may_follow_the_command_and_flags_show_no_type():
     flags = [line for line in result.output.splitlines() if any(f in line for f in ("--json", "--dry-run", "--overwrite"))]
     assert result.exit_code == 0 and len(flags) >= 3 and not any("<bool>" in line for line in flags)
     assert "(default: the first 2048)" in result.output and "Random seed" in result.output
+
+
+def test_tables_on_a_narrow_terminal_keep_every_value_whole():
+    import io
+
+    from rich.table import Table
+
+    from attnsurg.cli.common import TableConsole
+
+    table = Table(title="t")
+    for name in ("model", "ppl", "ratio", "word ppl", "bits/byte", "tokens", "KV B/token", "params (attn)", "tok/s"):
+        table.add_column(name, justify="right")
+    values = ["out/smollm2-135m-mla-50", "17.2913", "1.2345", "63.247", "0.9687", "2,048", "46,080", "134.5M (26.5M)", "81"]
+    table.add_row(*values)
+    buffer = io.StringIO()
+    TableConsole(file=buffer, width=80).print(table)
+    assert all(value in buffer.getvalue() for value in values) and "…" not in buffer.getvalue()

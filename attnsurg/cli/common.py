@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import functools
+import io
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from pydantic import ValidationError
+from rich import box
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 import attnsurg
 from attnsurg import ui
@@ -30,8 +33,37 @@ recipe_app = typer.Typer(help="Check recipes and list the ones that ship with at
 app.add_typer(assets_app, name="assets")
 app.add_typer(recipe_app, name="recipe")
 
-# Tables go to stdout; piped output keeps full rows instead of rich's 80-column default.
-out = Console() if sys.stdout.isatty() else Console(width=160)
+# Tables go to stdout, whole: piped, up to 160 columns before a table is printed at its natural width.
+class TableConsole(Console):
+    """stdout. On a narrow terminal rich shrinks tables' columns and cuts values short (``17.29…``, ``smoll…``);
+    here a table that does not fit loses its vertical rules, then is printed at its natural width."""
+
+    def print(self, *objects, **kwargs) -> None:
+        for o in objects:
+            if isinstance(o, Table):
+                self.print_table(o, **kwargs)
+            else:
+                super().print(o, **kwargs)
+
+    @staticmethod
+    def table_width(table: Table) -> int:
+        """The table's natural width: every cell on one line."""
+        return Console(width=10**4, file=io.StringIO()).measure(table).maximum
+
+    def print_table(self, table: Table, **kwargs) -> None:
+        """Without vertical rules when the table is too wide for the terminal; wider still, printed at its
+        natural width (the terminal wraps the lines) rather than with values cut."""
+        if self.table_width(table) > self.width:
+            table.box, table.pad_edge = box.SIMPLE_HEAD, False
+        needed = self.table_width(table)
+        if needed <= self.width:
+            super().print(table, **kwargs)
+            return
+        wide = Console(file=self.file, width=needed, force_terminal=self.is_terminal, no_color=self.no_color)
+        wide.print(table, **kwargs)
+
+
+out = TableConsole() if sys.stdout.isatty() else TableConsole(width=160)
 
 
 def user_errors(command):

@@ -61,7 +61,10 @@ def convert(
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
     calib_seq_len: CalibSeqLen = 512,
-    unweighted: Annotated[bool, typer.Option("--unweighted", metavar="", help="Plain PCA for the latent (no consumer weighting).")] = False,
+    weighted: Annotated[
+        bool, typer.Option("--weighted/--unweighted", metavar="", help="Fit the latent by PCA weighted by what consumes "
+                           "it (queries for keys, W_o for values), or plain PCA.")
+    ] = True,
     refine_steps: Annotated[
         int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of one calibration window each) against the original layer's output (0: closed form only).")
     ] = 40,
@@ -103,7 +106,7 @@ def convert(
         rope_layout=rope_layout,
         format=format,
         engine=engine,
-        weighted=not unweighted,
+        weighted=weighted,
         refine_steps=refine_steps,
         refine_tokens=refine_tokens,
         refine_lr=refine_lr,

@@ -1,0 +1,81 @@
+"""A checkpoint read a module at a time: safetensors opened lazily, one decoder layer built and filled on demand.
+
+The footing for layer streaming: a model larger than memory is worked on layer by layer, each layer's weights
+read from its shard when it is needed and freed after, the rest of the model never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from attnsurg.errors import UserError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointReader:
+    """The tensors of a safetensors checkpoint directory (one file, or shards with an index), by name; each read
+    maps only that tensor from its file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.weight_map = self._weight_map()
+
+    def _weight_map(self) -> dict[str, str]:
+        if (self.path / INDEX_FILE).is_file():
+            return json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
+        if (self.path / SINGLE_FILE).is_file():
+            with safe_open(str(self.path / SINGLE_FILE), framework="pt") as f:
+                return {name: SINGLE_FILE for name in f.keys()}
+        raise UserError(f"'{self.path}' has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}) to read lazily")
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise UserError(f"'{self.path}' has no tensor '{name}'")
+        with safe_open(str(self.path / self.weight_map[name]), framework="pt") as f:
+            tensor = f.get_tensor(name)
+        return tensor if dtype is None else tensor.to(dtype)
+
+    def state(self, prefix: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Every tensor under ``prefix`` (``model.layers.3.``), keyed without it, read file by file."""
+        names = [name for name in self.weight_map if name.startswith(prefix)]
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        state = {}
+        for filename, in_file in by_file.items():
+            with safe_open(str(self.path / filename), framework="pt") as f:
+                for name in in_file:
+                    tensor = f.get_tensor(name)
+                    state[name.removeprefix(prefix)] = tensor if dtype is None else tensor.to(dtype)
+        return state
+
+
+def decoder_layer_class(config: PretrainedConfig) -> type[nn.Module]:
+    """The family's decoder layer class (``LlamaDecoderLayer``), as transformers' causal LM names it."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    name = model_class._no_split_modules[0]
+    return getattr(sys.modules[model_class.__module__], name)
+
+
+def load_layer(reader: CheckpointReader, config: PretrainedConfig, index: int, dtype: torch.dtype = torch.float32,
+               prefix: str = "model.layers") -> nn.Module:
+    """Decoder layer ``index``, built empty (meta device) and filled from the checkpoint in ``dtype``: what the
+    full model's ``model.layers[index]`` is, without loading the full model."""
+    with torch.device("meta"):
+        layer = decoder_layer_class(config)(config, index)
+    state = reader.state(f"{prefix}.{index}.", dtype)
+    missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise UserError(f"layer {index} of '{reader.path}' does not match its config: missing {missing}, "
+                        f"unexpected {unexpected}")
+    return layer.eval()

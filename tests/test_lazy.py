@@ -1,0 +1,35 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from attnsurg.errors import UserError
+from attnsurg.io.lazy import CheckpointReader, load_layer
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2", "mistral"])
+def test_a_layer_read_alone_is_the_full_models_layer(variant, tiny_checkpoints, tmp_path):
+    """Sharded so a layer's tensors sit in several files; the layer built from them computes what the loaded
+    model's layer computes, and nothing else of the model is read."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant])
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    reader = CheckpointReader(tmp_path / "sharded")
+    assert len(set(reader.weight_map.values())) > 1
+    x = torch.randn(2, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    rope = model.model.rotary_emb(x, torch.arange(12)[None])
+    mask = torch.zeros(1, 1, 12, 12).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+    for index in range(model.config.num_hidden_layers):
+        layer = load_layer(reader, model.config, index)
+        assert next(layer.parameters()).dtype == torch.float32
+        with torch.no_grad():
+            expected = model.model.layers[index](x, attention_mask=mask, position_embeddings=rope)
+            got = layer(x, attention_mask=mask, position_embeddings=rope)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(reader.tensor("model.norm.weight"), model.model.norm.weight.detach())
+
+
+def test_reading_what_is_not_there_says_so(tiny_checkpoints, tmp_path):
+    reader = CheckpointReader(tiny_checkpoints["llama-gqa"])
+    with pytest.raises(UserError, match="has no tensor 'model.nothing'"):
+        reader.tensor("model.nothing")
+    with pytest.raises(UserError, match="no safetensors weights"):
+        CheckpointReader(tmp_path)

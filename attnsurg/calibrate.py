@@ -193,3 +193,41 @@ def input_statistics(model: nn.Module, modules: list[nn.Module], windows: torch.
     stats = [InputStatistics() for _ in modules]
     run_with_input_hooks(model, modules, windows, lambda i, x: stats[i].add(x), starts)
     return stats
+
+
+def causal_mask(length: int) -> torch.Tensor:
+    """Additive [1, 1, L, L] causal mask, explicit so every attention implementation honours it."""
+    blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
+    return additive_mask(~blocked[None])
+
+
+def additive_mask(visible: torch.Tensor) -> torch.Tensor:
+    """[n, 1, L, L] additive mask from which keys each query sees ([n, L, L] bool)."""
+    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[:, None]
+
+
+@torch.no_grad()
+def streamed_input_statistics(reader, config, family: Family, windows: torch.Tensor,
+                              hooked: tuple[str, ...] = ("self_attn", "self_attn.o_proj")):
+    """Per layer, the input statistics (``InputStatistics``) of the ``hooked`` submodules of each
+    decoder layer over the windows, with one layer in memory at a time: the residual stream of every window is
+    carried from the embeddings through each layer as it is read. Equals ``input_statistics`` on the loaded
+    model."""
+    from attnsurg.io.lazy import load_layer, rotary_embedding
+
+    stream = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight", torch.float32)[windows]
+    rope = rotary_embedding(config)(stream[:1], torch.arange(windows.shape[1])[None])
+    mask = causal_mask(windows.shape[1])
+    statistics = []
+    for index in range(config.num_hidden_layers):
+        layer = load_layer(reader, config, index, prefix=family.layers_path)
+        stats = {name: InputStatistics() for name in hooked}
+        handles = [layer.get_submodule(name).register_forward_pre_hook(
+            lambda module, args, kwargs, s=stats[name]: s.add(kwargs.get("hidden_states", args[0] if args else None)),
+            with_kwargs=True) for name in hooked]
+        stream = torch.cat([layer(chunk, attention_mask=mask, position_embeddings=rope) for chunk in stream.split(8)])
+        for handle in handles:
+            handle.remove()
+        statistics.append([stats[name] for name in hooked])
+        del layer
+    return statistics

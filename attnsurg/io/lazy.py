@@ -79,3 +79,11 @@ def load_layer(reader: CheckpointReader, config: PretrainedConfig, index: int, d
         raise UserError(f"layer {index} of '{reader.path}' does not match its config: missing {missing}, "
                         f"unexpected {unexpected}")
     return layer.eval()
+
+
+def rotary_embedding(config: PretrainedConfig) -> nn.Module:
+    """The family's rotary embedding module for this config, built on the CPU (it holds no weights)."""
+    with torch.device("meta"):
+        skeleton = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    return type(skeleton.model.rotary_emb)(config)
+

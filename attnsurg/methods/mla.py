@@ -58,6 +58,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.calibrate import additive_mask, causal_mask, input_statistics, prompt_layout
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
 from attnsurg.methods.factorized import load_complete_state
@@ -623,22 +624,9 @@ class Refinement:
     schedule: str = "constant"
 
 
-def causal_mask(length: int) -> torch.Tensor:
-    """Additive [1, 1, L, L] causal mask, explicit so every attention implementation honours it."""
-    blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
-    return additive_mask(~blocked[None])
-
-
-def additive_mask(visible: torch.Tensor) -> torch.Tensor:
-    """[n, 1, L, L] additive mask from which keys each query sees ([n, L, L] bool)."""
-    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[:, None]
-
-
 def window_layout(windows: int, length: int, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's position ``[n, L]`` and what it sees ``[n, L, L]``: plain causal windows, or the prompts
     that ``starts`` cuts them into (``calibrate.short_prompt_starts``)."""
-    from attnsurg.calibrate import prompt_layout
-
     if starts is None:
         starts = torch.zeros(windows, length, dtype=torch.bool)
         starts[:, 0] = True
@@ -886,8 +874,6 @@ def convert(
     second moment over all windows, then, given ``refinement`` with steps, sequential refinement on the first
     ``refinement.tokens`` of them, watched on up to HELD_OUT_SHARE as many windows that follow them.
     ``starts`` ([n, L] bool, ``calibrate.short_prompt_starts``) cuts the windows into prompts of their own."""
-    from attnsurg.calibrate import input_statistics
-
     # One hooked pass streams each attention input's second moment over all windows; refinement starts from the
     # token embeddings of its windows (the first decoder layer's input in the Llama family).
     attentions = [getattr(layer, family.attention_attr) for layer in source.get_submodule(family.layers_path)]

@@ -408,6 +408,12 @@ def test_engine_checks_name_what_each_engine_would_not_run():
         plan_mla(anatomy, kv_budget=0.5, engine="vllm")
 
 
+# What vLLM's and SGLang's DeepSeek attention builds when q_lora_rank is None and attention_bias is false (read
+# from vllm/model_executor/models/deepseek_v2.py and sglang/srt/models/deepseek_v2.py): no other tensor loads.
+ENGINE_ATTENTION_TENSORS = {"q_proj.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
+                            "o_proj.weight"}
+
+
 def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_path):
     """--engine vllm: latent + RoPE of one of vLLM's widths, (qk_nope, rope, v) zero-padded to one of its prefill
     shapes and lm_head written out (vLLM's DeepSeek never ties it); logits equal the unpadded conversion's."""
@@ -430,7 +436,13 @@ def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_
     converted.save_pretrained(tmp_path / "m")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
-        assert "lm_head.weight" in f.keys()
+        names = set(f.keys())
+    assert "lm_head.weight" in names
+    attention = {n.split(".self_attn.")[1] for n in names if ".self_attn." in n}
+    assert attention == ENGINE_ATTENTION_TENSORS
+    assert config.q_lora_rank is None and not config.attention_bias
+    assert isinstance(config.n_routed_experts, int) and config.n_group < config.n_routed_experts
+    assert config.first_k_dense_replace == config.num_hidden_layers
     ids = torch.arange(40)[None]
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)

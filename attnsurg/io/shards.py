@@ -1,0 +1,58 @@
+"""Write a checkpoint's tensors as they are made, each shard as soon as it is complete.
+
+For layer-by-layer surgery: the output's tensor names and shapes are known before any of them is computed (from
+the target config, on the meta device), so huggingface_hub plans the shards up front; a shard is written and
+its tensors freed the moment its last tensor arrives, and the index is written at the end. Memory holds at
+most one shard's worth of finished tensors waiting for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class ShardWriter:
+    """Shards of the tensors ``planned`` (name -> a tensor of the final shape and dtype, meta is enough) in
+    ``directory``; ``add`` each tensor once, then ``finish``."""
+
+    def __init__(self, directory: Path, planned: dict[str, torch.Tensor], max_shard_size: int | str = "5GB"):
+        self.directory = Path(directory)
+        self.planned = {name: (tuple(t.shape), t.dtype) for name, t in planned.items()}
+        split = split_torch_state_dict_into_shards(planned, max_shard_size=max_shard_size)
+        self.sharded = split.is_sharded
+        self.file_of = split.tensor_to_filename
+        self.waiting: dict[str, dict[str, torch.Tensor]] = {f: {} for f in split.filename_to_tensors}
+        self.members = {f: set(names) for f, names in split.filename_to_tensors.items()}
+        self.written: list[str] = []
+        self.total_size = sum(t.numel() * t.element_size() for t in planned.values())
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.planned:
+            raise ValueError(f"tensor '{name}' is not in the planned checkpoint")
+        shape, dtype = self.planned[name]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"tensor '{name}' has shape {tuple(tensor.shape)}, planned {shape}")
+        filename = self.file_of[name]
+        if filename in self.written or name in self.waiting[filename]:
+            raise ValueError(f"tensor '{name}' was already added")
+        self.waiting[filename][name] = tensor.detach().to("cpu", dtype).contiguous()
+        if set(self.waiting[filename]) == self.members[filename]:
+            save_file(self.waiting.pop(filename), self.directory / filename, metadata={"format": "pt"})
+            self.written.append(filename)
+
+    def finish(self) -> list[str]:
+        """Write the index (when sharded); every planned tensor must have been added."""
+        missing = sorted(name for filename, waiting in self.waiting.items() for name in self.members[filename] - set(waiting))
+        if missing:
+            raise ValueError(f"{len(missing)} planned tensors never added, e.g. {missing[:3]}")
+        if self.sharded:
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.file_of.items()))}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        return self.written

@@ -76,7 +76,6 @@ REFINE_STEP_QUERIES = 128  # query positions scored per step; every key and valu
 WINDOWS_PER_CHUNK = 8  # whole-window forwards over the refinement data run this many windows at a time
 SCHEDULES = ("constant", "cosine")
 COSINE_FLOOR = 0.1  # the cosine schedule decays the learning rate to this fraction of its peak
-EARLY_QUERY_ROWS = 0  # refinement scores each window's first query rows at every step (short prompts live there)
 HELD_OUT_CHECK = 10  # refinement checks the held-out error every this many steps
 HELD_OUT_PATIENCE = 2  # and stops after this many checks without a new lowest one
 HELD_OUT_SHARE = 0.25  # held-out windows per refinement window, when the calibration windows have them
@@ -732,9 +731,7 @@ def refine_layer(
     generator = torch.Generator().manual_seed(index)
 
     def random_rows() -> torch.Tensor:
-        early = min(EARLY_QUERY_ROWS, queries)
-        later = early + torch.randperm(length - early, generator=generator)[:queries - early]
-        return torch.cat([torch.arange(early), later.sort().values])
+        return torch.randperm(length, generator=generator)[:queries].sort().values
 
     def output_at(rows: torch.Tensor, windows: slice) -> torch.Tensor:
         return sampled_output(attention, x[windows], (cos[windows], sin[windows]), rows, visible[windows])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import time
 from dataclasses import dataclass
 
@@ -57,3 +60,12 @@ def cache_bytes_per_token(model, context: int = 256) -> float:
     model(input_ids=torch.zeros(1, context, dtype=torch.long), cache=cache, use_cache=True)
     total = sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))
     return total / context
+
+
+def write_result(name: str, record, **dumps) -> Path:
+    """Write a benchmark's record to benchmarks/results/NAME.json."""
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
+    path = results / f"{name}.json"
+    path.write_text(json.dumps(record, indent=2, **dumps))
+    return path

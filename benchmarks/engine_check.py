@@ -35,6 +35,7 @@ from attnsurg.data import load_text
 from attnsurg.io.assets import cache_dir
 from attnsurg.io.gguf_export import export_gguf
 from attnsurg.io.load import resolve_source
+from common import write_result
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 WORKER = Path(__file__).with_name("engine_llama_cpp.py")
@@ -169,10 +170,7 @@ def main() -> None:
         records = {name: measure(name, path, python, work, args, windows, prompts)
                    for name, path in (("original", original), ("mla", converted))}
     print_table(records, args.contexts)
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "engine_check.json").write_text(json.dumps({"converted": converted, "settings": vars(args) | {"work_dir": str(args.work_dir)},
-                                                            "records": records}, indent=2, default=str))
+    write_result("engine_check", {"converted": converted, "settings": vars(args) | {"work_dir": str(args.work_dir)}, "records": records}, default=str)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ Writes benchmarks/results/eval_throughput.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -23,6 +21,7 @@ from attnsurg.eval.perplexity import run_perplexity, score_windows, tokenize
 from attnsurg.eval.windows import plan_windows
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.recipe import ModelRef, PerplexityEval, TextData
+from common import write_result
 
 
 @torch.inference_mode()
@@ -78,9 +77,7 @@ def main() -> None:
     print(f"| tokens/s ({record['windows']} x {args.max_length}, best of {args.repeats}) | "
           f"{record['bare_forward_tokens_per_s']:.0f} | {record['eval_tokens_per_s']:.0f} | {record['ratio']:.3f} |")
     print(f"\nattnsurg eval end to end (load + tokenize + score): {record['eval_wall_s_including_load']:.1f} s")
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "eval_throughput.json").write_text(json.dumps(record, indent=2))
+    write_result("eval_throughput", record)
 
 
 if __name__ == "__main__":

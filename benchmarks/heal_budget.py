@@ -12,7 +12,6 @@ Prints a markdown row with training tokens/s. Writes benchmarks/results/heal_bud
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from attnsurg.heal import heal_model
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods.mla import Refinement, convert, plan_mla
 from attnsurg.recipe import HealSettings, TextData
+from common import write_result
 
 
 def main() -> None:
@@ -73,9 +73,7 @@ def main() -> None:
           f"| {after:.3f} (x{after / original:.3f}) | {report.tokens_per_second:,.0f} |")
     print(f"\nlr {args.lr}, batch {args.batch_size} x {args.seq_len}, train {args.train}, hidden weight {args.hidden_weight}; "
           f"{seconds:.0f} s of healing")
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "heal_budget.json").write_text(json.dumps(row, indent=2))
+    write_result("heal_budget", row)
 
 
 if __name__ == "__main__":

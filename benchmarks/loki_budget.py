@@ -12,17 +12,15 @@ median of repeated runs on this machine's CPU threads. Writes benchmarks/results
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from attnsurg.methods.loki import apply_loki, plan_loki, top_k_recall
 from attnsurg.modeling.modeling_attnsurg import LokiAttention
-from common import prepare
+from common import prepare, write_result
 
 
 def filled_cache(model, context: int) -> DynamicCache:
@@ -101,9 +99,7 @@ def main() -> None:
     print("\n| context | scope | dense ms | loki ms (r 32, k 1/4) | speedup |\n|---|---|---|---|---|")
     for s in speed:
         print(f"| {s['context']} | {s['scope']} | {s['dense_s'] * 1e3:.2f} | {s['loki_s'] * 1e3:.2f} | x{s['speedup']:.2f} |")
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "loki_budget.json").write_text(json.dumps({"original_ppl": setup.original_ppl, "rows": rows, "speed": speed}, indent=2))
+    write_result("loki_budget", {"original_ppl": setup.original_ppl, "rows": rows, "speed": speed})
 
 
 if __name__ == "__main__":

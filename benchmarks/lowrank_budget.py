@@ -17,12 +17,10 @@ benchmarks/results/lowrank_budget.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 from attnsurg.methods.lowrank import compress, plan_lowrank
-from common import Setup, cache_bytes_per_token, prepare
+from common import Setup, cache_bytes_per_token, prepare, write_result
 
 VARIANTS = [  # label, method, weighted, allocate
     ("svd", "svd", False, False),
@@ -84,9 +82,7 @@ def main() -> None:
           f"original KV B/token (bf16): {record['original_kv_bytes_per_token']:,.0f}")
     for name, rows in record["tables"].items():
         print_table(name.replace("_", " "), rows, original)
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "lowrank_budget.json").write_text(json.dumps(record, indent=2))
+    write_result("lowrank_budget", record)
 
 
 if __name__ == "__main__":

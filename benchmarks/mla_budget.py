@@ -16,10 +16,8 @@ Writes benchmarks/results/mla_budget.json.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -32,6 +30,7 @@ from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla as mla_method
 from attnsurg.methods.mla import Refinement, convert, plan_mla
 from attnsurg.recipe import Calibration, TextData
+from common import write_result
 
 
 @torch.no_grad()  # not inference_mode: the dtype round trip would leave inference-tensor weights behind
@@ -95,9 +94,7 @@ def main() -> None:
     print(f"\npeak memory of this process: {peak:.2f} GB; weighted latent: {not args.unweighted}; "
           f"refinement: {args.refine_steps} steps on {args.refine_tokens} tokens, {args.refine_queries} queries a step, "
           f"lr {args.refine_lr:g} {args.refine_schedule}; calibration windows of {args.calib_seq_len}; RoPE layout: {args.rope_layout}")
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "mla_budget.json").write_text(json.dumps({"settings": vars(args), "rows": rows, "peak_memory_gb": peak}, indent=2))
+    write_result("mla_budget", {"settings": vars(args), "rows": rows, "peak_memory_gb": peak})
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ grows with position. Writes benchmarks/results/position_profile.json.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +19,7 @@ import torch.nn.functional as F
 from attnsurg.eval.perplexity import eval_windows
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.recipe import TextData
+from common import write_result
 
 
 def windows_of(tokenizer, count: int, length: int) -> torch.Tensor:
@@ -67,9 +66,7 @@ def main() -> None:
           + f" | {original.mean().exp():.2f} |")
     for row in rows:
         print(f"| {row['checkpoint']} | " + " | ".join(f"x{r:.3f}" for r in row["ratio"]) + f" | x{row['overall']:.3f} |")
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "position_profile.json").write_text(json.dumps({"settings": vars(args), "bands": bands, "rows": rows}, indent=2))
+    write_result("position_profile", {"settings": vars(args), "bands": bands, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from attnsurg.eval.tasks.facts import load_fact_items
 from attnsurg.io.load import load_config, resolve_source
 from attnsurg.io.recipe_file import load_recipe, shipped_recipes
 from attnsurg.recipe import ModelRef, PerplexityEval, TasksEval, TextData
+from common import write_result
 from attnsurg.run import run_recipe
 
 ORIGINAL = "smollm2-135m"
@@ -131,10 +132,7 @@ def main() -> None:
         record = scores_of(str(checkpoint), settings, args.out_dir / f"{name}.scores.json")
         rows.append({**row_of(name, record, original), "model_type": anatomy.model_type})
     print_table(rows, settings)
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "quality_matrix.json").write_text(json.dumps({"settings": settings, "rows": rows, "run_seconds": run_seconds},
-                                                            indent=2))
+    write_result("quality_matrix", {"settings": settings, "rows": rows, "run_seconds": run_seconds})
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from synthetic_checkpoint import CONFIGS, write_checkpoint  # noqa: E402
+from common import write_result  # noqa: E402  (benchmarks/ is on the path when a script runs)
 
 COMMANDS = {
     "mla": ["convert", "--to", "mla", "--kv-budget", "0.5"],
@@ -79,9 +80,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['model']} | {r['method']} | {r['source_gb']:.2f} | {r['seconds']:.0f} | {r['seconds_per_layer']:.1f} | "
               f"{r['peak_rss_gb']:.2f} | {r['output_gb']:.2f} |")
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "scale.json").write_text(json.dumps(rows, indent=2))
+    write_result("scale", rows)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,12 @@ Writes benchmarks/results/tensor_budget.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 from attnsurg.methods.headtensor import compress_head_tensor, plan_head_tensor
 from attnsurg.methods.lowrank import compress, plan_lowrank
 from attnsurg.methods.stacked_tucker import MAX_ITERATIONS, compress_stacked_tucker, plan_stacked_tucker
-from common import cache_bytes_per_token, prepare
+from common import cache_bytes_per_token, prepare, write_result
 
 TARGETS = "q,k,v,o"
 
@@ -80,10 +78,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['ratio']} | {r['variant']} | {r['kept']:.3f} | {r['ppl']:.3f} | {r['ppl_ratio']:.3f} | {r['params']:,} | "
               f"{r['flops_per_token']:,} | {r['kv_bytes_per_token']:,.0f} | {r['decompose_s']:.1f} |")
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "tensor_budget.json").write_text(json.dumps({"original_ppl": original, "calibration_s": calibration_s,
-                                                            "rows": rows}, indent=2))
+    write_result("tensor_budget", {"original_ppl": original, "calibration_s": calibration_s, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -259,6 +259,8 @@ def heal_model(
     windows = training_windows(tokenizer, settings.data, settings.seq_len)
     held_out = held_out_windows(tokenizer, settings) if settings.eval_every else None
     trainable = select_trainable(student, settings.train)
+    if settings.gradient_checkpointing:
+        activation_checkpointing(student, True)
     micro_batch = settings.batch_size * accelerator.num_processes
     tokens_per_step = settings.seq_len * micro_batch * settings.grad_accum
     steps = max(1, settings.tokens // tokens_per_step)
@@ -296,8 +298,24 @@ def heal_model(
     distiller.close()
     student = accelerator.unwrap_model(wrapped, keep_fp32_wrapper=False).eval()
     student.requires_grad_(False)
+    if settings.gradient_checkpointing:
+        activation_checkpointing(student, False)
     accelerator.free_memory()
     return report
+
+
+def activation_checkpointing(model: PreTrainedModel, on: bool) -> None:
+    """Recompute each layer's activations in the backward pass (on) or keep them (off); transformers names it
+    activation checkpointing from 5.x on, gradient checkpointing before."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def train_step(accelerator, distiller: Distiller, optimizer, scheduler, windows, settings, seed, step, trainable) -> float:

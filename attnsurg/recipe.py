@@ -303,6 +303,7 @@ class HealSettings(Strict):
     eval_tokens: int = Field(2048, gt=1)
     save_every: int = Field(25, gt=0)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: memory for time
 
     @model_validator(mode="after")
     def _some_loss(self) -> HealSettings:

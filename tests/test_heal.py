@@ -249,3 +249,19 @@ def test_heal_command_defaults_are_the_recipe_defaults():
     assert {"seq_len", "lr", "tokens", "train", "warmup", "schedule"} <= shared
     for name in shared:
         assert command[name].default == HealSettings.model_fields[name].default, name
+
+
+def test_gradient_checkpointing_trains_the_same_weights(teacher_and_tokenizer, corpus_file, tmp_path):
+    """Activations recomputed in the backward pass instead of kept: the same steps, the same result."""
+    teacher, tokenizer = teacher_and_tokenizer
+    results = []
+    for checkpointing in (False, True):
+        student = mla_student(teacher)
+        heal = settings(corpus_file, tokens=32 * 2 * 3, gradient_checkpointing=checkpointing)
+        report = heal_model(student, teacher, tokenizer, heal, seed=0, state_dir=tmp_path / f"s{checkpointing}")
+        assert not getattr(student, "is_activation_checkpointing", False)
+        results.append((report.losses, [p.detach().clone() for p in student.parameters()]))
+    (losses, weights), (losses_checkpointed, weights_checkpointed) = results
+    assert [round(loss, 5) for _, loss in losses] == [round(loss, 5) for _, loss in losses_checkpointed]
+    for a, b in zip(weights, weights_checkpointed):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

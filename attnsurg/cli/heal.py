@@ -52,6 +52,10 @@ def heal(
     ] = 0,
     save_every: Annotated[int, typer.Option("--save-every", help="Save resumable state every N steps.")] = 25,
     mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="auto (bf16 on a GPU), no, bf16, fp16.")] = "auto",
+    gradient_checkpointing: Annotated[
+        bool, typer.Option("--gradient-checkpointing", metavar="", help="Recompute each layer's activations in the "
+                           "backward pass instead of keeping them: less memory for about a third more time.")
+    ] = False,
     eval_tokens: Annotated[
         int, typer.Option("--eval-tokens", help="Tokens of the dataset's eval part (a --text file: its start) scored before/after (0: skip).")
     ] = 2048,
@@ -85,6 +89,7 @@ def heal(
         data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
         schedule=schedule, warmup=warmup, kl_weight=kl_weight, lm_weight=lm_weight, hidden_weight=hidden_weight, temperature=temperature,
         train=train, eval_every=eval_every, save_every=save_every, mixed_precision=mixed_precision,
+        gradient_checkpointing=gradient_checkpointing,
         eval_tokens=eval_tokens if eval_tokens > 1 else HealSettings.model_fields["eval_tokens"].default,
     )
     recipe = Recipe(

@@ -79,11 +79,13 @@ def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(
         return w, mla.LayerError(1.0, 0.0), target
 
     monkeypatch.setattr(mla, "refine_layer", perfect_fit)
-    refiner = mla.SequentialRefiner(model, LLAMA, hidden[0].clone(), deepseek_config(model, plan, model.model.rotary_emb.inv_freq))
+    refiner = mla.SequentialRefiner(model.model.rotary_emb, LLAMA, hidden[0].clone(),
+                                    deepseek_config(model, plan, model.model.rotary_emb.inv_freq))
     attention = model.model.layers[0].self_attn
     for index in range(model.config.num_hidden_layers):
         stream = refiner.stream.clone()
-        refiner.refine(index, fit_layer(attention, torch.eye(model.config.hidden_size + 1, dtype=torch.float64), plan), Refinement(1))
+        refiner.refine(index, model.model.layers[index],
+                       fit_layer(attention, torch.eye(model.config.hidden_size + 1, dtype=torch.float64), plan), Refinement(1))
         target, token_scale = asked[-1]
         torch.testing.assert_close(token_scale, (stream + target).pow(2).mean(-1, keepdim=True).rsqrt())
         expected = model.model.norm(refiner.original) if index == model.config.num_hidden_layers - 1 else refiner.original
@@ -113,10 +115,10 @@ def test_windows_cut_into_short_prompts_are_refined_as_prompts_of_their_own(monk
 
     monkeypatch.setattr(mla, "refine_layer", closed_form)
     embeddings = model.get_input_embeddings()(ids)
-    refiner = mla.SequentialRefiner(model, LLAMA, embeddings.detach().clone(), config, starts=starts)
+    refiner = mla.SequentialRefiner(model.model.rotary_emb, LLAMA, embeddings.detach().clone(), config, starts=starts)
     attention = model.model.layers[0].self_attn
     weights = fit_layer(attention, torch.eye(model.config.hidden_size + 1, dtype=torch.float64), plan)
-    refiner.refine(0, weights, Refinement(1))
+    refiner.refine(0, model.model.layers[0], weights, Refinement(1))
     w, x, output = outputs[0]
     layer = mla.mla_attention(config, 0, w, attention.o_proj.weight)
     rotary = DeepseekV3RotaryEmbedding(config)

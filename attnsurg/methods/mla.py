@@ -817,16 +817,16 @@ class SequentialRefiner:
     from the embeddings, so memory holds two streams whatever the depth. ``starts`` cuts the windows into
     prompts of their own (``calibrate.short_prompt_starts``)."""
 
-    def __init__(self, source: PreTrainedModel, family: Family, embeddings: torch.Tensor, config: DeepseekV3Config,
+    def __init__(self, rotary: torch.nn.Module, family: Family, embeddings: torch.Tensor, config: DeepseekV3Config,
                  held_out: int = 0, starts: torch.Tensor | None = None):
-        self.source, self.family, self.config, self.held_out = source, family, config, held_out
+        self.rotary, self.family, self.config, self.held_out = rotary, family, config, held_out
         self.original = embeddings  # [n, L, D]: the first decoder layer's input on the refinement windows, held-out last
         self.stream = embeddings.clone()
         self.layout = window_layout(*embeddings.shape[:2], starts)
 
     @torch.no_grad()
-    def refine(self, index: int, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, LayerError]:
-        layer = self.source.get_submodule(f"{self.family.layers_path}.{index}")
+    def refine(self, index: int, layer: torch.nn.Module, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, LayerError]:
+        """Refine decoder layer ``index`` (``layer``: the source's, in float32) from its closed form ``w``."""
         source_attn = getattr(layer, self.family.attention_attr)
         norm = getattr(layer, self.family.input_norm)
         attended = self.source_attention(source_attn, norm(self.original))
@@ -841,11 +841,10 @@ class SequentialRefiner:
     def source_attention(self, attention, x: torch.Tensor) -> torch.Tensor:
         """The original attention's output on every window, a few windows at a time."""
         positions, visible = self.layout
-        rotary = self.source.get_submodule(self.family.rotary_path)
         outputs = []
         for i in range(0, len(x), WINDOWS_PER_CHUNK):
             chunk = slice(i, i + WINDOWS_PER_CHUNK)
-            rope = rotary(x[chunk], positions[chunk])
+            rope = self.rotary(x[chunk], positions[chunk])
             outputs.append(attention(hidden_states=x[chunk], position_embeddings=rope,
                                      attention_mask=additive_mask(visible[chunk]))[0])
         return torch.cat(outputs)
@@ -884,12 +883,12 @@ def convert(
         held_out = min(len(windows) - keep, math.ceil(keep * HELD_OUT_SHARE))
         embeddings = source.get_input_embeddings()(windows[: keep + held_out].to(source.device)).float().cpu()
         used = None if starts is None else starts[: keep + held_out]
-        refiner = SequentialRefiner(source, family, embeddings, config, held_out, used)
+        refiner = SequentialRefiner(source.get_submodule(family.rotary_path), family, embeddings, config, held_out, used)
     layers, errors = [], []
     for index, (attn, stats) in enumerate(zip(attentions, statistics)):
         weights = fit_layer(attn, stats.sigma, plan, weighted, stats.sigma_first)
         if refiner:
-            weights, error = refiner.refine(index, weights, refinement)
+            weights, error = refiner.refine(index, source.get_submodule(f"{family.layers_path}.{index}"), weights, refinement)
             errors.append(error)
         layers.append(weights)
         if progress:

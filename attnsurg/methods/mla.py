@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedModel
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,
     DeepseekV3RotaryEmbedding,
@@ -470,12 +470,15 @@ def flexible_rope_parameters(plan: MLAPlan, inv_freq: torch.Tensor, theta: float
     }
 
 
-def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tensor | None = None) -> DeepseekV3Config:
-    """A complete DeepseekV3 config: every MLP dense, no q LoRA, interleaved RoPE at the kept frequencies.
+def deepseek_config(source: PreTrainedModel | PretrainedConfig, plan: MLAPlan, inv_freq: torch.Tensor | None = None,
+                    ) -> DeepseekV3Config:
+    """A complete DeepseekV3 config for a source model (or its config: the dtype is then the config's): every
+    MLP dense, no q LoRA, interleaved RoPE at the kept frequencies.
 
     Standard layout: the R/2 highest frequencies, by rope_theta = theta^(R/d) (every engine reads it).
     Flexible layout: any frequency list, repeats included, through longrope per-pair factors."""
-    c = source.config
+    c = source if isinstance(source, PretrainedConfig) else source.config
+    dtype = c.dtype if isinstance(source, PretrainedConfig) else source.dtype
     rope = dict(c.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
     if plan.layout == "flexible":
         rope = flexible_rope_parameters(plan, inv_freq, float(rope["rope_theta"]), c.max_position_embeddings)
@@ -511,7 +514,7 @@ def deepseek_config(source: PreTrainedModel, plan: MLAPlan, inv_freq: torch.Tens
         bos_token_id=c.bos_token_id,
         eos_token_id=c.eos_token_id,
         pad_token_id=getattr(c, "pad_token_id", None),
-        dtype=str(source.dtype).removeprefix("torch."),
+        dtype=str(dtype or "float32").removeprefix("torch."),
     )
 
 

@@ -1,0 +1,108 @@
+"""MLA conversion one decoder layer at a time, for models larger than memory.
+
+The same conversion as ``mla.convert`` (closed form from each attention input's second moment, then sequential
+refinement), but the source is never loaded whole: each decoder layer is read from the checkpoint in float32
+(``io.lazy``), its statistics come from the calibration windows' residual stream carried from the embeddings
+through the layers before it, and its converted tensors go straight to the output shards (``io.shards``) in
+the output dtype before the next layer is read. Memory holds one source layer, the streams and at most one
+shard of finished tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from transformers import DeepseekV3ForCausalLM, PretrainedConfig
+
+from attnsurg.arch.families import Family
+from attnsurg.calibrate import InputStatistics, causal_mask
+from attnsurg.io.lazy import CheckpointReader, load_layer, rotary_embedding
+from attnsurg.io.shards import ShardWriter
+from attnsurg.methods.mla import (
+    HELD_OUT_SHARE, WINDOWS_PER_CHUNK, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state,
+    deepseek_config, fit_layer, padded_heads,
+)
+
+
+def planned_tensors(config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The output checkpoint's tensors as meta tensors: what transformers' DeepseekV3 model saves."""
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config).to(dtype)
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+@torch.no_grad()
+def convert_streamed(
+    reader: CheckpointReader,
+    source_config: PretrainedConfig,
+    family: Family,
+    windows: torch.Tensor,
+    plan: MLAPlan,
+    output: Path,
+    weighted: bool = True,
+    refinement: Refinement | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str = "5GB",
+    progress=None,
+) -> tuple[PretrainedConfig, list[LayerError]]:
+    """Write the converted model's weights into ``output`` (shards and index; the caller adds config and
+    tokenizer) and return its config and each refined layer's errors."""
+    rotary = rotary_embedding(source_config)
+    config = deepseek_config(source_config, plan, rotary.inv_freq)
+    config.dtype = str(dtype).removeprefix("torch.")
+    fitted = deepseek_config(source_config, plan.fitted, rotary.inv_freq)
+    fitted._attn_implementation = "sdpa"
+    writer = ShardWriter(output, planned_tensors(config, dtype), max_shard_size)
+    top = family.layers_path.rsplit(".", 1)[0]  # "model"
+    embed = reader.tensor(f"{top}.embed_tokens.weight", torch.float32)
+    writer.add(f"{top}.embed_tokens.weight", embed.to(dtype))
+    writer.add(f"{top}.norm.weight", reader.tensor(f"{top}.norm.weight", dtype))
+    if not config.tie_word_embeddings:
+        head = "lm_head.weight" if "lm_head.weight" in reader.weight_map else f"{top}.embed_tokens.weight"
+        writer.add("lm_head.weight", reader.tensor(head, dtype))
+
+    stream = embed[windows]  # the original model's residual stream on every calibration window
+    refinement = refinement if refinement and refinement.steps else None
+    refiner = None
+    if refinement:
+        keep = min(len(windows), max(1, refinement.tokens // windows.shape[1]))
+        held_out = min(len(windows) - keep, math.ceil(keep * HELD_OUT_SHARE))
+        refiner = SequentialRefiner(rotary, family, stream[: keep + held_out].clone(), fitted, held_out)
+    rope = rotary(stream[:1], torch.arange(windows.shape[1])[None])
+    mask = causal_mask(windows.shape[1])
+    errors = []
+    for index in range(source_config.num_hidden_layers):
+        layer = load_layer(reader, source_config, index, prefix=family.layers_path)
+        attention = getattr(layer, family.attention_attr)
+        statistics = InputStatistics()
+        for chunk in stream.split(WINDOWS_PER_CHUNK):
+            statistics.add(getattr(layer, family.input_norm)(chunk))
+        weights = fit_layer(attention, statistics.sigma, plan, weighted, statistics.sigma_first)
+        if refiner:
+            weights, error = refiner.refine(index, layer, weights, refinement)
+            errors.append(error)
+        write_layer(writer, f"{family.layers_path}.{index}.", layer, family, weights, plan, dtype)
+        stream = torch.cat([layer(chunk, attention_mask=mask, position_embeddings=rope)
+                            for chunk in stream.split(WINDOWS_PER_CHUNK)])
+        del layer
+        if progress:
+            progress(note=f"layer error {errors[-1].before:.3f} -> {errors[-1].after:.3f}" if errors else "")
+    writer.finish()
+    return config, errors
+
+
+def write_layer(writer: ShardWriter, prefix: str, layer: torch.nn.Module, family: Family, weights, plan: MLAPlan,
+                dtype: torch.dtype) -> None:
+    """One converted decoder layer: the new attention, and the source's norms and MLP as they are."""
+    attention = getattr(layer, family.attention_attr)
+    w, o_weight = padded_heads(weights, attention.o_proj.weight.double(), plan)
+    for name, tensor in attention_state(w, o_weight, plan.query_route).items():
+        writer.add(f"{prefix}{family.attention_attr}.{name}", tensor.to(dtype))
+    for name, tensor in layer.state_dict().items():
+        if not name.startswith(f"{family.attention_attr}."):
+            writer.add(prefix + name, tensor.to(dtype))

@@ -4,17 +4,44 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, set_seed
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import SHORT_PROMPT_TOKENS, short_prompt_starts
-from attnsurg.info import inspect_model
+from attnsurg.errors import UserError
 from attnsurg.heal import HealReport
+from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
+from attnsurg.io.lazy import CheckpointReader
+from attnsurg.io.load import DTYPES, load_config, load_tokenizer
+from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
+from attnsurg.io.save import check_output_path, finish_staging, staged_checkpoint
 from attnsurg.methods.mla import (
-    REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, LayerError, MLAPlan, Refinement, convert, plan_mla,
+    REFINE_STEP_QUERIES,
+    REFINE_STEP_TOKENS,
+    LayerError,
+    MLAPlan,
+    Refinement,
+    convert,
+    plan_mla,
 )
-from attnsurg.pipeline import base_model_id, command_line, described_data, finish_surgery, healing_note, start_surgery
+from attnsurg.methods.mla_stream import convert_streamed
+from attnsurg.pipeline import (
+    base_model_id,
+    command_line,
+    described_data,
+    finish_surgery,
+    healing_note,
+    peak_memory_gb,
+    source_license,
+    source_windows,
+    start_surgery,
+)
 from attnsurg.recipe import ConvertMLA, Recipe
 
 
@@ -96,6 +123,8 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     report = ConvertReport(plan, anatomy)
     if dry_run:
         return report
+    if request.stream:
+        return run_streamed(request, source, anatomy, report, recipe)
     surgery = start_surgery(request, source, anatomy)
     started = time.perf_counter()
     with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
@@ -108,6 +137,53 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     report.plan, report.layer_errors = result.plan, result.layer_errors
     finish_surgery(surgery, result.model, request, anatomy, report, lambda: mla_card(request, report), recipe=recipe)
     return report
+
+
+def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report: ConvertReport,
+                 recipe: Recipe | None) -> ConvertReport:
+    """Convert with one source layer in memory at a time (``mla_stream``), written straight into the staged
+    output in the source's dtype. Nothing is scored: that would load both models whole."""
+    recipe = recipe or Recipe.from_request(request)
+    if recipe.heal is not None:
+        raise UserError("healing needs the whole model in memory; convert with stream: false, or heal afterwards "
+                        "with `attnsurg heal`")
+    if request.short_prompts:
+        raise UserError("--short-prompts is not available with --stream yet; drop one of them")
+    if source.kind not in ("dir", "builtin"):
+        raise UserError(f"--stream reads a local safetensors checkpoint directory, and '{request.model.ref}' is a "
+                        f"{source.kind} source; convert it to a directory first, or drop --stream")
+    check_output_path(request.output, request.overwrite)
+    set_seed(request.seed)
+    started = time.perf_counter()
+    config = load_config(source, request.model.trust_remote_code)
+    tokenizer = load_tokenizer(source, request.model.trust_remote_code)
+    windows = source_windows(tokenizer, request.calibration, anatomy)
+    dtype = DTYPES.get(str(config.dtype or "float32").removeprefix("torch."), torch.float32)
+    with staged_checkpoint(request.output, request.overwrite) as staging:
+        with ui.progress_bar("Converting layers (streamed)", total=report.plan.num_layers, unit="layers") as advance:
+            written, report.layer_errors = convert_streamed(
+                CheckpointReader(Path(source.path)), config, family_for_surgery(anatomy.model_type), windows,
+                report.plan, staging, request.weighted, refinement_of(request), dtype, progress=advance)
+        report.convert_seconds = time.perf_counter() - started
+        written.save_pretrained(staging)
+        generation_config(source.path, written).save_pretrained(staging)
+        info = mla_card(request, report)
+        info.license = source_license(request.model.ref)
+        info.details.append("converted one decoder layer at a time (`--stream`); not scored here: score it with "
+                            "`attnsurg eval perplexity SOURCE THIS --dataset all`")
+        finish_staging(staging, tokenizer, info, {RECIPE_FILE: dump_recipe(recipe)})
+    report.written = str(request.output)
+    report.seconds = time.perf_counter() - started
+    report.peak_memory_gb = peak_memory_gb()
+    return report
+
+
+def generation_config(source_path: str, config) -> GenerationConfig:
+    """The source's generation settings (eos and the like), or those its config implies."""
+    try:
+        return GenerationConfig.from_pretrained(source_path)
+    except OSError:
+        return GenerationConfig.from_model_config(config)
 
 
 LAYOUT_NOTES = {

@@ -220,6 +220,7 @@ class MLASettings(Strict):
     refine_lr: float = Field(1e-3, gt=0)
     refine_schedule: Literal["constant", "cosine"] = "constant"
     short_prompts: float = Field(0.0, ge=0, lt=1)  # share of each calibration window cut into short prompts
+    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
 
 
 class LowRankSettings(Strict):

@@ -46,3 +46,25 @@ def test_streamed_output_is_written_in_the_dtype_asked(tiny_checkpoints, tmp_pat
     config.save_pretrained(tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.dtype == torch.bfloat16 and model.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
+
+
+def test_convert_stream_writes_the_checkpoint_convert_writes(tiny_checkpoints, corpus_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    runner = CliRunner()
+    common = ["convert", str(tiny_checkpoints["qwen2"]), "--calib-text", str(corpus_file), "--calib-tokens", "512",
+              "--calib-seq-len", "64", "--refine-steps", "3", "--refine-tokens", "256", "--eval-tokens", "0"]
+    for name, extra in (("loaded", []), ("streamed", ["--stream"])):
+        result = runner.invoke(app, common + extra + ["-o", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "loaded")
+    streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed")
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-3, atol=1e-3)
+    assert {p.name for p in (tmp_path / "loaded").iterdir()} == {p.name for p in (tmp_path / "streamed").iterdir()}
+    assert "converted one decoder layer at a time" in (tmp_path / "streamed" / "README.md").read_text()
+    refused = runner.invoke(app, common + ["--stream", "--short-prompts", "0.25", "-o", str(tmp_path / "never")])
+    assert refused.exit_code == 2 and "--short-prompts" in refused.output and not (tmp_path / "never").exists()

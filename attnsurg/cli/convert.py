@@ -80,6 +80,10 @@ def convert(
                             "8-128 tokens of their own (positions restart). Off by default: 0.25 lost short factual "
                             "answers on the demo model.")
     ] = 0.0,
+    stream: Annotated[
+        bool, typer.Option("--stream", metavar="", help="One source layer in memory at a time, written straight to the "
+                           "output (models larger than memory; needs a local safetensors directory; nothing scored).")
+    ] = False,
     eval_tokens: EvalTokens = 2048,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,
@@ -112,6 +116,7 @@ def convert(
         refine_lr=refine_lr,
         refine_schedule=refine_schedule,
         short_prompts=short_prompts,
+        stream=stream,
         calibration=calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len),
         eval_tokens=eval_tokens,
         eval_domains=eval_domains_from(eval_domains),

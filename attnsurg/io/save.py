@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import PreTrainedModel
@@ -39,23 +40,36 @@ def write_checkpoint(
     extra_files: Mapping[str, str] | None = None,
 ) -> Path:
     """Write a complete checkpoint at ``out`` atomically; returns ``out``."""
+    with staged_checkpoint(out, overwrite) as staging:
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        finish_staging(staging, tokenizer, card, extra_files)
+    return Path(out)
+
+
+@contextmanager
+def staged_checkpoint(out: Path, overwrite: bool = False) -> Iterator[Path]:
+    """A temporary directory beside ``out`` to write a checkpoint into; on success it gets the umask's modes
+    and replaces ``out``, on any failure it is removed and ``out`` is untouched."""
     out = Path(out)
     check_output_path(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
-        model.save_pretrained(staging, max_shard_size=max_shard_size)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        for name, content in (extra_files or {}).items():
-            (staging / name).write_text(content, encoding="utf-8")
-        render_card(card).save(staging / "README.md")
+        yield staging
         share_as_umask_allows(staging)
         replace_directory(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out
+
+
+def finish_staging(staging: Path, tokenizer, card: CardInfo, extra_files: Mapping[str, str] | None = None) -> None:
+    """Everything but the weights and config: tokenizer files, extra files, the model card."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    for name, content in (extra_files or {}).items():
+        (staging / name).write_text(content, encoding="utf-8")
+    render_card(card).save(staging / "README.md")
 
 
 def current_umask() -> int:

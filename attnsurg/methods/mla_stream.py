@@ -59,14 +59,14 @@ def convert_streamed(
     fitted._attn_implementation = "sdpa"
     writer = ShardWriter(output, planned_tensors(config, dtype), max_shard_size)
     top = family.layers_path.rsplit(".", 1)[0]  # "model"
-    embed = reader.tensor(f"{top}.embed_tokens.weight", torch.float32)
-    writer.add(f"{top}.embed_tokens.weight", embed.to(dtype))
+    embed = reader.tensor(f"{top}.embed_tokens.weight")  # as stored: no float32 copy of the vocabulary
+    stream = embed[windows].float()  # the original model's residual stream on every calibration window
+    writer.add(f"{top}.embed_tokens.weight", embed)  # cast to dtype by the writer
+    del embed
     writer.add(f"{top}.norm.weight", reader.tensor(f"{top}.norm.weight", dtype))
     if not config.tie_word_embeddings:
         head = "lm_head.weight" if "lm_head.weight" in reader.weight_map else f"{top}.embed_tokens.weight"
         writer.add("lm_head.weight", reader.tensor(head, dtype))
-
-    stream = embed[windows]  # the original model's residual stream on every calibration window
     refinement = refinement if refinement and refinement.steps else None
     refiner = None
     if refinement:

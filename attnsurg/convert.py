@@ -139,6 +139,9 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     return report
 
 
+STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard is complete
+
+
 def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report: ConvertReport,
                  recipe: Recipe | None) -> ConvertReport:
     """Convert with one source layer in memory at a time (``mla_stream``), written straight into the staged
@@ -163,7 +166,7 @@ def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report:
         with ui.progress_bar("Converting layers (streamed)", total=report.plan.num_layers, unit="layers") as advance:
             written, report.layer_errors = convert_streamed(
                 CheckpointReader(Path(source.path)), config, family_for_surgery(anatomy.model_type), windows,
-                report.plan, staging, request.weighted, refinement_of(request), dtype, progress=advance)
+                report.plan, staging, request.weighted, refinement_of(request), dtype, STREAM_SHARD_SIZE, advance)
         report.convert_seconds = time.perf_counter() - started
         written.save_pretrained(staging)
         generation_config(source.path, written).save_pretrained(staging)

@@ -39,6 +39,9 @@ class TableConsole(Console):
     here a table that does not fit loses its vertical rules, then is printed at its natural width."""
 
     def print(self, *objects, **kwargs) -> None:
+        if not any(isinstance(o, Table) for o in objects):
+            super().print(*objects, **kwargs)
+            return
         for o in objects:
             if isinstance(o, Table):
                 self.print_table(o, **kwargs)

@@ -206,28 +206,32 @@ def additive_mask(visible: torch.Tensor) -> torch.Tensor:
     return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[:, None]
 
 
-@torch.no_grad()
-def streamed_input_statistics(reader, config, family: Family, windows: torch.Tensor,
-                              hooked: tuple[str, ...] = ("self_attn", "self_attn.o_proj")):
-    """Per layer, the input statistics (``InputStatistics``) of the ``hooked`` submodules of each
-    decoder layer over the windows, with one layer in memory at a time: the residual stream of every window is
-    carried from the embeddings through each layer as it is read. Equals ``input_statistics`` on the loaded
-    model."""
+def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked: tuple[str, ...]):
+    """Each decoder layer read alone (``io.lazy``) and run over the residual stream of every window ([n, L, D],
+    float32, from the embeddings), one layer in memory at a time: yields ``(index, layer, statistics)``, the
+    ``InputStatistics`` of each ``hooked`` submodule over the windows, after the layer has advanced the stream."""
     from attnsurg.io.lazy import load_layer, rotary_embedding
 
-    stream = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight", torch.float32)[windows]
-    rope = rotary_embedding(config)(stream[:1], torch.arange(windows.shape[1])[None])
-    mask = causal_mask(windows.shape[1])
-    statistics = []
+    rope = rotary_embedding(config)(stream[:1], torch.arange(stream.shape[1])[None])
+    mask = causal_mask(stream.shape[1])
     for index in range(config.num_hidden_layers):
         layer = load_layer(reader, config, index, prefix=family.layers_path)
         stats = {name: InputStatistics() for name in hooked}
         handles = [layer.get_submodule(name).register_forward_pre_hook(
             lambda module, args, kwargs, s=stats[name]: s.add(kwargs.get("hidden_states", args[0] if args else None)),
             with_kwargs=True) for name in hooked]
-        stream = torch.cat([layer(chunk, attention_mask=mask, position_embeddings=rope) for chunk in stream.split(8)])
-        for handle in handles:
-            handle.remove()
-        statistics.append([stats[name] for name in hooked])
-        del layer
-    return statistics
+        try:
+            stream = torch.cat([layer(chunk, attention_mask=mask, position_embeddings=rope) for chunk in stream.split(8)])
+        finally:
+            for handle in handles:
+                handle.remove()
+        yield index, layer, [stats[name] for name in hooked]
+
+
+@torch.no_grad()
+def streamed_input_statistics(reader, config, family: Family, windows: torch.Tensor,
+                              hooked: tuple[str, ...] = ("self_attn", "self_attn.o_proj")):
+    """Per layer, the input statistics of the ``hooked`` submodules of each decoder layer over the windows, with
+    one layer in memory at a time (``streamed_layers``). Equals ``input_statistics`` on the loaded model."""
+    embeddings = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")
+    return [stats for _, _, stats in streamed_layers(reader, config, family, embeddings[windows].float(), hooked)]

@@ -3,7 +3,7 @@
     python benchmarks/synthetic_checkpoint.py llama-3.1-8b [-o out/synthetic/llama-3.1-8b] [--dtype bfloat16]
                                               [--layers N] [--shard-size 2GB]
 
-Written shard by shard (one shard's tensors in memory at a time; huggingface_hub splits the shards), so an
+Written shard by shard (one shard's tensors in memory at a time, through attnsurg's ShardWriter), so an
 8B checkpoint needs a few GB of memory, not 16. The weights are random (normal, std 0.02; norms 1), the
 tokenizer is the demo model's (its ids fit every vocabulary here): what is measured on them is cost (time,
 memory, size), never quality. ``--layers`` keeps the first N layers of the config for a quick run.
@@ -12,15 +12,14 @@ memory, size), never quality. ``--layers`` keeps the first N layers of the confi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+
+from attnsurg.io.shards import ShardWriter
 
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -89,18 +88,14 @@ def write_checkpoint(name: str, output: Path, dtype: torch.dtype, layers: int | 
 
     config = config_for(name, layers, dtype)
     shapes = parameter_shapes(config, dtype)
-    split = split_torch_state_dict_into_shards(shapes, max_shard_size=shard_size)
     output.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(output, shapes, shard_size)
     generator = torch.Generator().manual_seed(0)
-    for filename, names in split.filename_to_tensors.items():
-        shard = {n: random_tensor(n, shapes[n], generator) for n in names}
-        save_file(shard, output / filename, metadata={"format": "pt"})
-        (output / filename).chmod(0o666 & ~umask())  # safetensors writes 0600
-        del shard
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in shapes.values())},
-                 "weight_map": split.tensor_to_filename}
-        (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for names in writer.members.values():  # shard by shard: one shard's tensors in memory at a time
+        for name in sorted(names):
+            writer.add(name, random_tensor(name, shapes[name], generator))
+    for shard in writer.finish():
+        (output / shard).chmod(0o666 & ~umask())  # safetensors writes 0600
     config.save_pretrained(output)
     demo = ensure_demo_model("smollm2-135m")
     for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

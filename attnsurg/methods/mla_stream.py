@@ -17,11 +17,11 @@ import torch
 from transformers import DeepseekV3ForCausalLM, PretrainedConfig
 
 from attnsurg.arch.families import Family
-from attnsurg.calibrate import InputStatistics, causal_mask
-from attnsurg.io.lazy import CheckpointReader, load_layer, rotary_embedding
+from attnsurg.calibrate import streamed_layers
+from attnsurg.io.lazy import CheckpointReader, rotary_embedding
 from attnsurg.io.shards import ShardWriter
 from attnsurg.methods.mla import (
-    HELD_OUT_SHARE, WINDOWS_PER_CHUNK, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state,
+    HELD_OUT_SHARE, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state,
     deepseek_config, fit_layer, padded_heads,
 )
 
@@ -73,23 +73,14 @@ def convert_streamed(
         keep = min(len(windows), max(1, refinement.tokens // windows.shape[1]))
         held_out = min(len(windows) - keep, math.ceil(keep * HELD_OUT_SHARE))
         refiner = SequentialRefiner(rotary, family, stream[: keep + held_out].clone(), fitted, held_out)
-    rope = rotary(stream[:1], torch.arange(windows.shape[1])[None])
-    mask = causal_mask(windows.shape[1])
     errors = []
-    for index in range(source_config.num_hidden_layers):
-        layer = load_layer(reader, source_config, index, prefix=family.layers_path)
-        attention = getattr(layer, family.attention_attr)
-        statistics = InputStatistics()
-        for chunk in stream.split(WINDOWS_PER_CHUNK):
-            statistics.add(getattr(layer, family.input_norm)(chunk))
-        weights = fit_layer(attention, statistics.sigma, plan, weighted, statistics.sigma_first)
+    hooked = (family.attention_attr,)
+    for index, layer, (statistics,) in streamed_layers(reader, source_config, family, stream, hooked):
+        weights = fit_layer(getattr(layer, family.attention_attr), statistics.sigma, plan, weighted, statistics.sigma_first)
         if refiner:
             weights, error = refiner.refine(index, layer, weights, refinement)
             errors.append(error)
         write_layer(writer, f"{family.layers_path}.{index}.", layer, family, weights, plan, dtype)
-        stream = torch.cat([layer(chunk, attention_mask=mask, position_embeddings=rope)
-                            for chunk in stream.split(WINDOWS_PER_CHUNK)])
-        del layer
         if progress:
             progress(note=f"layer error {errors[-1].before:.3f} -> {errors[-1].after:.3f}" if errors else "")
     writer.finish()

@@ -7,20 +7,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, set_seed
+from transformers import GenerationConfig
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import SHORT_PROMPT_TOKENS, short_prompt_starts
 from attnsurg.errors import UserError
 from attnsurg.heal import HealReport
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.lazy import CheckpointReader
-from attnsurg.io.load import DTYPES, load_config, load_tokenizer
+from attnsurg.io.load import DTYPES, load_config
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
-from attnsurg.io.save import check_output_path, finish_staging, staged_checkpoint
+from attnsurg.io.save import finish_staging, staged_checkpoint
 from attnsurg.methods.mla import (
     REFINE_STEP_QUERIES,
     REFINE_STEP_TOKENS,
@@ -39,7 +38,6 @@ from attnsurg.pipeline import (
     healing_note,
     peak_memory_gb,
     source_license,
-    source_windows,
     start_surgery,
 )
 from attnsurg.recipe import ConvertMLA, Recipe
@@ -155,28 +153,24 @@ def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report:
     if source.kind not in ("dir", "builtin"):
         raise UserError(f"--stream reads a local safetensors checkpoint directory, and '{request.model.ref}' is a "
                         f"{source.kind} source; convert it to a directory first, or drop --stream")
-    check_output_path(request.output, request.overwrite)
-    set_seed(request.seed)
-    started = time.perf_counter()
+    surgery = start_surgery(request, source, anatomy, load_weights=False)
     config = load_config(source, request.model.trust_remote_code)
-    tokenizer = load_tokenizer(source, request.model.trust_remote_code)
-    windows = source_windows(tokenizer, request.calibration, anatomy)
     dtype = DTYPES.get(str(config.dtype or "float32").removeprefix("torch."), torch.float32)
     with staged_checkpoint(request.output, request.overwrite) as staging:
         with ui.progress_bar("Converting layers (streamed)", total=report.plan.num_layers, unit="layers") as advance:
             written, report.layer_errors = convert_streamed(
-                CheckpointReader(Path(source.path)), config, family_for_surgery(anatomy.model_type), windows,
+                CheckpointReader(Path(source.path)), config, surgery.family, surgery.windows,
                 report.plan, staging, request.weighted, refinement_of(request), dtype, STREAM_SHARD_SIZE, advance)
-        report.convert_seconds = time.perf_counter() - started
+        report.convert_seconds = time.perf_counter() - surgery.started
         written.save_pretrained(staging)
         generation_config(source.path, written).save_pretrained(staging)
         info = mla_card(request, report)
         info.license = source_license(request.model.ref)
         info.details.append("converted one decoder layer at a time (`--stream`); not scored here: score it with "
                             "`attnsurg eval perplexity SOURCE THIS --dataset all`")
-        finish_staging(staging, tokenizer, info, {RECIPE_FILE: dump_recipe(recipe)})
+        finish_staging(staging, surgery.tokenizer, info, {RECIPE_FILE: dump_recipe(recipe)})
     report.written = str(request.output)
-    report.seconds = time.perf_counter() - started
+    report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()
     return report
 

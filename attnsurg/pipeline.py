@@ -172,21 +172,26 @@ class Surgery:
     """A surgery under way: the source loaded in float32, its tokenizer and calibration windows."""
 
     family: Family
-    model: PreTrainedModel
+    model: PreTrainedModel | None  # None in a streamed surgery
     tokenizer: object
     windows: torch.Tensor
     started: float
 
 
-def start_surgery(request, source, anatomy: AttentionAnatomy) -> Surgery:
+def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool = True) -> Surgery:
     """Refuse an existing output first (nothing is loaded for a request that cannot be written), seed, load
-    the source and cut the calibration windows."""
+    the source (without ``load_weights``: its tokenizer only, for a streamed surgery that scores nothing) and
+    cut the calibration windows."""
     check_output_path(request.output, request.overwrite)
-    fetch_domains(domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens))
+    if load_weights:
+        fetch_domains(domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens))
     set_seed(request.seed)
     started = time.perf_counter()
     family = family_for_surgery(anatomy.model_type)
-    model, tokenizer = load_source(request.model, source)
+    if load_weights:
+        model, tokenizer = load_source(request.model, source)
+    else:
+        model, tokenizer = None, load_tokenizer(source, request.model.trust_remote_code)
     return Surgery(family, model, tokenizer, source_windows(tokenizer, request.calibration, anatomy), started)
 
 

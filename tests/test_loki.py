@@ -187,3 +187,27 @@ def test_decode_step_gathers_the_same_keys_as_the_general_path():
         return logits
 
     torch.testing.assert_close(last_logits(general=False), last_logits(general=True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [5, 0.3])
+def test_query_blocks_change_nothing(monkeypatch, top_k):
+    """Prefill scored a few queries at a time (each block against the keys it may see) equals one block,
+    recall included, with and without left padding."""
+    import attnsurg.modeling.modeling_attnsurg as modeling
+
+    model = loki_model(build_tiny("llama", VOCAB, num_key_value_heads=2), "llama", 4, top_k)
+    ids = held_out()[:2, :40]
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+
+    def logits_and_recall(block: int) -> tuple[torch.Tensor, float]:
+        monkeypatch.setattr(modeling, "LOKI_QUERY_BLOCK", block)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, position_ids=positions).logits
+        return logits, top_k_recall(model, ids[:1])
+
+    whole_logits, whole_recall = logits_and_recall(10**6)
+    blocked_logits, blocked_recall = logits_and_recall(3)
+    torch.testing.assert_close(blocked_logits, whole_logits, atol=1e-5, rtol=1e-5)
+    assert blocked_recall == pytest.approx(whole_recall)

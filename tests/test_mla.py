@@ -9,12 +9,13 @@ from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import causal_mask
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
 from attnsurg.methods import mla
 from attnsurg.methods.mla import (
-    Refinement, causal_mask, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
+    Refinement, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
 )
 from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
 

@@ -58,7 +58,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
-from attnsurg.calibrate import additive_mask, causal_mask, input_statistics, prompt_layout
+from attnsurg.calibrate import additive_mask, input_statistics, prompt_layout
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
 from attnsurg.methods.factorized import load_complete_state

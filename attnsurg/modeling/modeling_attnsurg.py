@@ -337,6 +337,9 @@ class StackedTuckerAttention(RebuiltKVAttention):
         return y if self.o_bias is None else y + self.o_bias
 
 
+LOKI_QUERY_BLOCK = 256  # queries scored together in Loki's prefill
+
+
 def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
@@ -357,11 +360,6 @@ class LokiAttention(AttentionBase):
         self.loki_basis = nn.Parameter(torch.zeros(self.num_key_value_heads, self.head_dim, self.head_dim))
         self.rank, self.top_k = rank, top_k
         self.recall: list[float] | None = None  # set to a list to record top-k recall per forward
-
-    def record_recall(self, query: torch.Tensor, key: torch.Tensor, mask, selected: torch.Tensor) -> None:
-        """Fraction of the exact top-k keys (same counts, causal) that the rank-r scores selected."""
-        exact = self.selection(query, key, mask, rank=self.head_dim)
-        self.recall.append(float((exact & selected).sum() / exact.sum()))
 
     def keep_counts(self, context: torch.Tensor) -> torch.Tensor:
         """How many keys each query keeps, given how many it may see."""
@@ -389,9 +387,10 @@ class LokiAttention(AttentionBase):
         approx = approx.masked_fill(~allowed, float("-inf"))
         current = torch.arange(length, device=query.device)
         approx[..., current, positions] = torch.where(allowed[..., current, positions], float("inf"), float("-inf"))
-        order = approx.argsort(dim=-1, descending=True)
-        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(total, device=query.device).expand_as(order))
-        return (ranks < keep[..., None]) & allowed
+        # The keep-th largest score of each row is its threshold (ties at it are all kept): a partial top-k
+        # instead of a full sort of every row.
+        threshold = approx.topk(int(keep.max()), dim=-1).values.gather(-1, (keep - 1).clamp_min(0).unsqueeze(-1))
+        return (approx >= threshold) & allowed
 
     def forward(
         self,
@@ -425,15 +424,36 @@ class LokiAttention(AttentionBase):
             return self.o_proj(self.decode_step(query, prefix, rest, keep)), None
         key = torch.cat([prefix, rest[..., : d - self.rank]], dim=-1)
         value = rest[..., d - self.rank :]
-        key, value = repeat_heads(key, groups), repeat_heads(value, groups)
-        selected = self.selection(query, key, mask)
+        output = self.blockwise_attention(query, key, value, mask)
+        return self.o_proj(output.transpose(1, 2).reshape(batch, length, -1)), None
+
+    def blockwise_attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Exact attention over each query's selected keys, LOKI_QUERY_BLOCK queries at a time, each block
+        against only the keys its last query may see: memory O(block x keys), and the causal triangle's
+        upper half is never scored."""
+        length, total, groups = query.shape[2], key.shape[2], self.num_key_value_groups
+        outputs, hits, exact_total = [], 0, 0
+        for start in range(0, length, LOKI_QUERY_BLOCK):
+            stop = min(start + LOKI_QUERY_BLOCK, length)
+            visible = total - length + stop
+            q = query[:, :, start:stop]
+            k, v = repeat_heads(key[:, :, :visible], groups), repeat_heads(value[:, :, :visible], groups)
+            m = None if mask is None else mask[..., :visible]
+            if m is not None and m.shape[-2] > 1:
+                m = m[..., start:stop, :]
+            selected = self.selection(q, k, m)
+            if self.recall is not None:  # share of the exact top-k (same counts, causal) the rank-r scores kept
+                exact = self.selection(q, k, m, rank=self.head_dim)
+                hits, exact_total = hits + int((exact & selected).sum()), exact_total + int(exact.sum())
+            scores = (q @ k.transpose(-1, -2)) * self.scaling
+            scores = scores.masked_fill(~selected, float("-inf"))
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(q.dtype)  # padded queries
+            outputs.append(weights @ v)
         if self.recall is not None:
-            self.record_recall(query, key, mask, selected)
-        scores = (query @ key.transpose(-1, -2)) * self.scaling
-        scores = scores.masked_fill(~selected, float("-inf"))
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(query.dtype)  # padded queries
-        output = (weights @ value).transpose(1, 2).reshape(batch, length, -1)
-        return self.o_proj(output), None
+            self.recall.append(hits / max(exact_total, 1))
+        return torch.cat(outputs, dim=2)
 
     def decode_step(self, query: torch.Tensor, prefix: torch.Tensor, rest: torch.Tensor, keep: int) -> torch.Tensor:
         """One new token: rank-r scores read only the cached prefixes, then the top-k keys and values are

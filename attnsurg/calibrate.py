@@ -157,13 +157,15 @@ class InputStatistics:
         self.abs_sum: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.detach().cpu()
+        """Accumulate on the device ``x`` is on (a GPU's float64 is far faster than the CPU's); the
+        statistics read back on the CPU, where the decompositions run."""
+        x = x.detach()
         xa = augment(x)
         first = augment(x[:, 0]) if x.ndim == 3 else xa[:0]
         if self.moment is None:
-            self.moment = torch.zeros(xa.shape[1], xa.shape[1], dtype=torch.float64)
+            self.moment = torch.zeros(xa.shape[1], xa.shape[1], dtype=torch.float64, device=x.device)
             self.first_moment = torch.zeros_like(self.moment)
-            self.abs_sum = torch.zeros(xa.shape[1] - 1, dtype=torch.float64)
+            self.abs_sum = torch.zeros(xa.shape[1] - 1, dtype=torch.float64, device=x.device)
         self.moment += xa.T @ xa
         self.first_moment += first.T @ first
         self.abs_sum += xa[:, :-1].abs().sum(0)
@@ -173,25 +175,28 @@ class InputStatistics:
     @property
     def sigma(self) -> torch.Tensor:
         """E[x~ x~^T], (n+1) x (n+1)."""
-        return self.moment / self.tokens
+        return (self.moment / self.tokens).cpu()
 
     @property
     def sigma_first(self) -> torch.Tensor | None:
         """E[x~ x~^T] over the windows' first tokens, (n+1) x (n+1)."""
-        return self.first_moment / self.windows if self.windows else None
+        return (self.first_moment / self.windows).cpu() if self.windows else None
 
     @property
     def abs_mean(self) -> torch.Tensor:
-        return self.abs_sum / self.tokens
+        return (self.abs_sum / self.tokens).cpu()
 
 
 @torch.no_grad()
 def input_statistics(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor,
-                     starts: torch.Tensor | None = None) -> list[InputStatistics]:
+                     starts: torch.Tensor | None = None, device: torch.device | None = None) -> list[InputStatistics]:
     """Second moment and mean magnitude of each module's input over the windows (their prompts, given
-    ``starts``), accumulated with hooks."""
+    ``starts``), accumulated with hooks; with ``device``, the model runs there for the pass."""
+    from attnsurg.placement import on_device
+
     stats = [InputStatistics() for _ in modules]
-    run_with_input_hooks(model, modules, windows, lambda i, x: stats[i].add(x), starts)
+    with on_device(model, device):
+        run_with_input_hooks(model, modules, windows, lambda i, x: stats[i].add(x), starts)
     return stats
 
 
@@ -203,17 +208,21 @@ def causal_mask(length: int) -> torch.Tensor:
 
 def additive_mask(visible: torch.Tensor) -> torch.Tensor:
     """[n, 1, L, L] additive mask from which keys each query sees ([n, L, L] bool)."""
-    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[:, None]
+    return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, torch.finfo(torch.float32).min)[:, None]
 
 
-def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked: tuple[str, ...]):
+def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked: tuple[str, ...],
+                    device: torch.device | None = None):
     """Each decoder layer read alone (``io.lazy``) and run over the residual stream of every window ([n, L, D],
     float32, from the embeddings), one layer in memory at a time: yields ``(index, layer, statistics)``, the
-    ``InputStatistics`` of each ``hooked`` submodule over the windows, after the layer has advanced the stream."""
+    ``InputStatistics`` of each ``hooked`` submodule over the windows, after the layer has advanced the stream.
+    With ``device``, the stream and each layer's pass live there; the layer is yielded back on the CPU."""
     from attnsurg.io.lazy import load_layer, rotary_embedding
+    from attnsurg.placement import on_device
 
-    rope = rotary_embedding(config)(stream[:1], torch.arange(stream.shape[1])[None])
-    mask = causal_mask(stream.shape[1])
+    stream = stream.to(device or stream.device)
+    rope = rotary_embedding(config).to(stream.device)(stream[:1], torch.arange(stream.shape[1], device=stream.device)[None])
+    mask = causal_mask(stream.shape[1]).to(stream.device)
     for index in range(config.num_hidden_layers):
         layer = load_layer(reader, config, index, prefix=family.layers_path)
         stats = {name: InputStatistics() for name in hooked}
@@ -221,7 +230,8 @@ def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked
             lambda module, args, kwargs, s=stats[name]: s.add(kwargs.get("hidden_states", args[0] if args else None)),
             with_kwargs=True) for name in hooked]
         try:
-            stream = torch.cat([layer(chunk, attention_mask=mask, position_embeddings=rope) for chunk in stream.split(8)])
+            with on_device(layer, stream.device):
+                stream = torch.cat([layer(chunk, attention_mask=mask, position_embeddings=rope) for chunk in stream.split(8)])
         finally:
             for handle in handles:
                 handle.remove()
@@ -230,8 +240,8 @@ def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked
 
 @torch.no_grad()
 def streamed_input_statistics(reader, config, family: Family, windows: torch.Tensor,
-                              hooked: tuple[str, ...] = ("self_attn", "self_attn.o_proj")):
+                              hooked: tuple[str, ...] = ("self_attn", "self_attn.o_proj"), device: torch.device | None = None):
     """Per layer, the input statistics of the ``hooked`` submodules of each decoder layer over the windows, with
     one layer in memory at a time (``streamed_layers``). Equals ``input_statistics`` on the loaded model."""
     embeddings = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")
-    return [stats for _, _, stats in streamed_layers(reader, config, family, embeddings[windows].float(), hooked)]
+    return [stats for _, _, stats in streamed_layers(reader, config, family, embeddings[windows].float(), hooked, device)]

@@ -105,7 +105,8 @@ def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None 
     surgery = start_surgery(request, source, anatomy)
     model, family, windows = surgery.model, surgery.family, surgery.windows
     attentions = attention_layers(model, family)
-    stats = input_statistics(model, attentions + [getattr(a, PROJECTIONS["o"]) for a in attentions], windows)
+    stats = input_statistics(model, attentions + [getattr(a, PROJECTIONS["o"]) for a in attentions], windows,
+                             device=surgery.device)
     started = time.perf_counter()
     layer_stats = list(zip(stats[: len(attentions)], stats[len(attentions) :]))
     with ui.progress_bar(f"Factorizing ({request.method})", total=anatomy.num_layers, unit="layers") as advance:

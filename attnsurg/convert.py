@@ -129,7 +129,7 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
         starts = short_prompt_starts(surgery.windows, request.short_prompts, request.seed)
         result = convert(
             surgery.model, surgery.family, surgery.windows, plan, request.weighted, refinement_of(request),
-            progress=advance, starts=starts,
+            progress=advance, starts=starts, device=surgery.device,
         )
     report.convert_seconds = time.perf_counter() - started
     report.plan, report.layer_errors = result.plan, result.layer_errors
@@ -160,7 +160,8 @@ def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report:
         with ui.progress_bar("Converting layers (streamed)", total=report.plan.num_layers, unit="layers") as advance:
             written, report.layer_errors = convert_streamed(
                 CheckpointReader(Path(source.path)), config, surgery.family, surgery.windows,
-                report.plan, staging, request.weighted, refinement_of(request), dtype, STREAM_SHARD_SIZE, advance)
+                report.plan, staging, request.weighted, refinement_of(request), dtype, STREAM_SHARD_SIZE, advance,
+                surgery.device)
         report.convert_seconds = time.perf_counter() - surgery.started
         written.save_pretrained(staging)
         generation_config(source.path, written).save_pretrained(staging)

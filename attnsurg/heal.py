@@ -235,12 +235,15 @@ def info(accelerator: Accelerator, message: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ training
-def make_accelerator(settings: HealSettings) -> Accelerator:
+def make_accelerator(settings: HealSettings, device: torch.device | None = None) -> Accelerator:
+    """bf16 mixed precision on a GPU that has it (``auto``); on the CPU when asked (``device`` cpu) or when
+    there is no GPU. Under ``accelerate launch`` each process takes the GPU accelerate gives it."""
+    on_cpu = not torch.cuda.is_available() or (device is not None and device.type == "cpu")
     precision = settings.mixed_precision
     if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+        precision = "bf16" if not on_cpu and torch.cuda.is_bf16_supported() else "no"
     # cpu=True where there is no GPU: that is what lets torchrun / mpirun processes form a multi-CPU group
-    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+    return Accelerator(mixed_precision=precision, cpu=on_cpu)
 
 
 def heal_model(
@@ -251,11 +254,12 @@ def heal_model(
     seed: int,
     state_dir: Path,
     on_step: Callable[[int], None] | None = None,
+    device: torch.device | None = None,
 ) -> HealReport:
     """Train ``student`` in place toward ``teacher``; returns what happened. State is saved in ``state_dir``
     every ``save_every`` steps and at the end; started again with the same arguments, it resumes there.
     The caller removes it (``remove_heal_state``) once the result is safely written."""
-    accelerator = make_accelerator(settings)
+    accelerator = make_accelerator(settings, device)
     windows = training_windows(tokenizer, settings.data, settings.seq_len)
     held_out = held_out_windows(tokenizer, settings) if settings.eval_every else None
     trainable = select_trainable(student, settings.train)

@@ -21,7 +21,7 @@ from attnsurg.data import parse_datasets
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.heal import heal_model, heal_state_dir, remove_heal_state
 from attnsurg.io.card import CardInfo
-from attnsurg.io.load import DTYPES, load_model, load_tokenizer
+from attnsurg.io.load import DTYPES, load_model, load_tokenizer, resolve_device
 from attnsurg.io.save import check_output_path, write_checkpoint
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
 from attnsurg.errors import UserError
@@ -84,13 +84,13 @@ def fetch_domains(texts: list[TextData]) -> None:
 
 
 def score_domains(source: PreTrainedModel, result: PreTrainedModel, tokenizer, texts: list[TextData], eval_tokens: int,
-                  max_positions: int | None) -> dict[str, tuple[float, float]]:
+                  max_positions: int | None, device: torch.device | None = None) -> dict[str, tuple[float, float]]:
     """ppl of the source and of the result on the first ``eval_tokens`` of each domain's eval part."""
     scores = {}
     for data in texts:
         windows = scoring_windows(tokenizer, data, eval_tokens, max_positions)
-        scores[data.dataset] = (perplexity_of(source, *windows, f"the source on {data.dataset}"),
-                                perplexity_of(result, *windows, f"the result on {data.dataset}"))
+        scores[data.dataset] = (perplexity_of(source, *windows, f"the source on {data.dataset}", device),
+                                perplexity_of(result, *windows, f"the result on {data.dataset}", device))
     return scores
 
 
@@ -169,13 +169,15 @@ def parameter_rows(source: PreTrainedModel, result: PreTrainedModel, attention_a
 
 @dataclass
 class Surgery:
-    """A surgery under way: the source loaded in float32, its tokenizer and calibration windows."""
+    """A surgery under way: the source loaded in float32 on the CPU, its tokenizer, calibration windows and
+    the device the work runs on."""
 
     family: Family
     model: PreTrainedModel | None  # None in a streamed surgery
     tokenizer: object
     windows: torch.Tensor
     started: float
+    device: torch.device
 
 
 def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool = True) -> Surgery:
@@ -183,6 +185,7 @@ def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool
     the source (without ``load_weights``: its tokenizer only, for a streamed surgery that scores nothing) and
     cut the calibration windows."""
     check_output_path(request.output, request.overwrite)
+    device = resolve_device(request.device)
     if load_weights:
         fetch_domains(domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens))
     set_seed(request.seed)
@@ -192,7 +195,7 @@ def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool
         model, tokenizer = load_source(request.model, source)
     else:
         model, tokenizer = None, load_tokenizer(source, request.model.trust_remote_code)
-    return Surgery(family, model, tokenizer, source_windows(tokenizer, request.calibration, anatomy), started)
+    return Surgery(family, model, tokenizer, source_windows(tokenizer, request.calibration, anatomy), started, device)
 
 
 def finish_surgery(
@@ -208,16 +211,18 @@ def finish_surgery(
         held_out = scoring_windows(surgery.tokenizer, scored_text(request.calibration.data), request.eval_tokens,
                                    anatomy.max_positions)
     if recipe.heal is not None:
-        before_healing = perplexity_of(result, *held_out, "the result before healing") if held_out is not None else None
-        report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed, heal_state_dir(request.output))
+        before_healing = (perplexity_of(result, *held_out, "the result before healing", surgery.device)
+                          if held_out is not None else None)
+        report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed,
+                                 heal_state_dir(request.output), device=surgery.device)
         report.heal.ppl_start = before_healing
         if not is_main_process():  # under `accelerate launch`, one process scores and writes
             return
     if held_out is not None:
-        report.ppl_before = perplexity_of(surgery.model, *held_out, "the source")
-        report.ppl_after = perplexity_of(result, *held_out, "the result")
+        report.ppl_before = perplexity_of(surgery.model, *held_out, "the source", surgery.device)
+        report.ppl_after = perplexity_of(result, *held_out, "the result", surgery.device)
         report.domains = score_domains(surgery.model, result, surgery.tokenizer, domains, request.eval_tokens,
-                                       anatomy.max_positions)
+                                       anatomy.max_positions, surgery.device)
     to_source_dtype(result, anatomy)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()

@@ -201,6 +201,7 @@ class SurgeryContext(Strict):
     eval_domains: EvalDomainList = Field(default_factory=lambda: list(EVAL_DOMAINS))
     overwrite: bool = False
     seed: int = 0
+    device: str = "auto"  # where calibration and refinement run; not part of the recipe file
 
 
 # ------------------------------------------------------------------------- method settings (recipe steps)
@@ -465,13 +466,14 @@ class Recipe(Strict):
     def heal(self) -> HealSettings | None:
         return next((step.heal for step in self.steps if isinstance(step, HealStep)), None)
 
-    def request(self, overwrite: bool = False) -> SurgeryRequest:
-        """The surgery step as the request its command runs."""
+    def request(self, overwrite: bool = False, device: str = "auto") -> SurgeryRequest:
+        """The surgery step as the request its command runs (``overwrite`` and ``device`` belong to the run,
+        not to the recipe)."""
         settings = self.surgery
         if settings is None:
             raise ValueError("this recipe has no convert or compress step")
         context = dict(model=self.model, output=self.output, calibration=self.calibration,
-                       eval_tokens=self.eval.tokens, eval_domains=self.eval.domains, overwrite=overwrite, seed=self.seed)
+                       eval_tokens=self.eval.tokens, eval_domains=self.eval.domains, overwrite=overwrite, seed=self.seed, device=device)
         return REQUEST_FOR[type(settings)](**context, **dict(settings))
 
     @classmethod

@@ -14,6 +14,7 @@ from attnsurg.heal import HealReport, heal_model, heal_state_dir, remove_heal_st
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
+from attnsurg.io.load import resolve_device
 from attnsurg.io.save import check_output_path, write_checkpoint
 from attnsurg.modeling import MODEL_TYPES as ATTNSURG_MODEL_TYPES
 from attnsurg.modeling import MODELING_FILE
@@ -44,12 +45,14 @@ def check_permissions(recipe: Recipe, trust_remote_code: bool, allow_pickle: boo
             raise UserError(f"the recipe allows pickle weights for '{ref.ref}'; pass --allow-pickle to allow it")
 
 
-def run_recipe(recipe: Recipe, dry_run: bool = False, overwrite: bool = False):
-    """Run the recipe's surgery (with its healing), or a heal-only recipe; returns the command's report."""
+def run_recipe(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, device: str = "auto"):
+    """Run the recipe's surgery (with its healing), or a heal-only recipe, on ``device`` (auto: a CUDA GPU
+    when there is one); returns the command's report."""
+    resolve_device(device)  # a device this machine lacks fails before any work, dry runs included
     settings = recipe.surgery
     if settings is None:
-        return run_heal(recipe, dry_run, overwrite)
-    request = recipe.request(overwrite)
+        return run_heal(recipe, dry_run, overwrite, device)
+    request = recipe.request(overwrite, device)
     if isinstance(settings, MLASettings):
         from attnsurg.convert import run_convert
 
@@ -72,10 +75,11 @@ class HealRunReport:
     domains: dict[str, tuple[float, float]] = field(default_factory=dict)  # teacher and healed student
 
 
-def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> HealRunReport:
+def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, device: str = "auto") -> HealRunReport:
     """``attnsurg heal STUDENT --teacher ORIGINAL``: distil, score teacher/before/after, write."""
     settings = recipe.heal
     check_output_path(recipe.output, overwrite)
+    compute = resolve_device(device)
     student_source, student_config, anatomy = inspect_model(recipe.model)
     teacher_source, teacher_config, _ = inspect_model(settings.teacher)
     if student_config.vocab_size != teacher_config.vocab_size:
@@ -94,13 +98,15 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False) -> 
     held_out = None
     if recipe.eval.tokens:
         held_out = scoring_windows(tokenizer, recipe.calibration.data, recipe.eval.tokens, anatomy.max_positions)
-        report.ppl_teacher, report.ppl_before = perplexity_of(teacher, *held_out, "the teacher"), perplexity_of(student, *held_out, "the student")
-    report.heal = heal_model(student, teacher, tokenizer, settings, recipe.seed, heal_state_dir(recipe.output))
+        report.ppl_teacher = perplexity_of(teacher, *held_out, "the teacher", compute)
+        report.ppl_before = perplexity_of(student, *held_out, "the student", compute)
+    report.heal = heal_model(student, teacher, tokenizer, settings, recipe.seed, heal_state_dir(recipe.output), device=compute)
     if not is_main_process():  # under `accelerate launch`, one process scores and writes
         return report
     if held_out is not None:
-        report.ppl_after = perplexity_of(student, *held_out, "the healed student")
-        report.domains = score_domains(teacher, student, tokenizer, domains, recipe.eval.tokens, anatomy.max_positions)
+        report.ppl_after = perplexity_of(student, *held_out, "the healed student", compute)
+        report.domains = score_domains(teacher, student, tokenizer, domains, recipe.eval.tokens, anatomy.max_positions,
+                                       compute)
     to_source_dtype(student, anatomy)
     report.seconds = time.perf_counter() - started
     report.peak_memory_gb = peak_memory_gb()

@@ -162,6 +162,8 @@ EvalDevice = Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda
 DryRun = Annotated[bool, typer.Option("--dry-run", metavar="", help="Print the plan and write nothing.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", metavar="", help="Replace an existing output directory.")]
 Seed = Annotated[int, typer.Option("--seed", help="Random seed (calibration sampling, refinement, healing).")]
+Device = Annotated[str, typer.Option("--device", help="Where calibration, refinement, healing and scoring run: auto (a CUDA "
+                                     "GPU when there is one), cpu, cuda or cuda:N. Fitting runs in float64 on the CPU.")]
 PrintRecipe = Annotated[
     bool, typer.Option("--print-recipe", metavar="", help="Print the YAML recipe this command corresponds to (with --dry-run: and stop).")
 ]

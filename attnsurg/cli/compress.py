@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from attnsurg.cli.common import (
+    Device,
     DEFAULT_EVAL_DOMAINS,
     AllowPickle,
     CalibDataset,
@@ -87,6 +88,7 @@ def compress(
     print_recipe: PrintRecipe = False,
     overwrite: Overwrite = False,
     seed: Seed = 0,
+    device: Device = "auto",
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
@@ -127,7 +129,7 @@ def compress(
         common.pop("targets"), common.pop("ratio")
         parsed = parse_top_k(top_k) if top_k is not None else None
         request = CompressLoki(**common, rank=rank, variance=variance, top_k=parsed, basis=basis)
-        execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)
+        execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output, device)
         return
     if top_k is not None or basis != "post-rope" or variance is not None:
         raise UserError(f"--top-k, --basis and --variance are for --method loki, not {method}")
@@ -146,7 +148,7 @@ def compress(
         if ranks is not None:
             raise UserError(f"--ranks is for tucker; {method} takes one rank: --rank R")
         request = CompressLowRank(**common, rank=rank, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
-    execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)
+    execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output, device)
 
 
 

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from attnsurg.cli.common import (
+    Device,
     DEFAULT_EVAL_DOMAINS,
     AllowPickle,
     CalibDataset,
@@ -90,6 +91,7 @@ def convert(
     print_recipe: PrintRecipe = False,
     overwrite: Overwrite = False,
     seed: Seed = 0,
+    device: Device = "auto",
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
@@ -123,4 +125,4 @@ def convert(
         overwrite=overwrite,
         seed=seed,
     )
-    execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output)
+    execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output, device)

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from attnsurg.cli.common import (
+    Device,
     DEFAULT_EVAL_DOMAINS,
     AllowPickle,
     DryRun,
@@ -64,6 +65,7 @@ def heal(
     print_recipe: PrintRecipe = False,
     overwrite: Overwrite = False,
     seed: Seed = 0,
+    device: Device = "auto",
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
@@ -100,4 +102,4 @@ def heal(
         eval=Evaluation(tokens=eval_tokens, domains=eval_domains_from(eval_domains)),
         seed=seed,
     )
-    execute(recipe, dry_run, overwrite, print_recipe, json_output)
+    execute(recipe, dry_run, overwrite, print_recipe, json_output, device)

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from attnsurg.cli.common import (
+    Device,
     AllowPickle,
     DryRun,
     JsonFlag,
@@ -32,6 +33,7 @@ def run(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of the recipe's output.")] = None,
     dry_run: DryRun = False,
     overwrite: Overwrite = False,
+    device: Device = "auto",
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
@@ -44,7 +46,7 @@ def run(
     if output is not None:
         recipe = recipe.model_copy(update={"output": output})
     check_permissions(recipe, trust_remote_code, allow_pickle)
-    execute(recipe, dry_run, overwrite, print_recipe=False, json_output=json_output)
+    execute(recipe, dry_run, overwrite, print_recipe=False, json_output=json_output, device=device)
 
 
 

@@ -10,8 +10,8 @@ from attnsurg.cli.common import out
 from attnsurg.errors import UserError
 
 
-def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_output: bool) -> None:
-    """Run a recipe (what every surgery command does) and print its report."""
+def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_output: bool, device: str = "auto") -> None:
+    """Run a recipe (what every surgery command does) on ``device`` and print its report."""
     from attnsurg.io.recipe_file import dump_recipe
     from attnsurg.pipeline import is_main_process
     from attnsurg.run import run_recipe
@@ -22,7 +22,7 @@ def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_out
         print(dump_recipe(recipe), end="")
         if dry_run:
             return
-    report = run_recipe(recipe, dry_run=dry_run, overwrite=overwrite)
+    report = run_recipe(recipe, dry_run=dry_run, overwrite=overwrite, device=device)
     if is_main_process():  # under `accelerate launch` the main process reports
         print_report(recipe, report, dry_run, json_output)
 

@@ -283,10 +283,14 @@ def scoring_windows(tokenizer, data: TextData, eval_tokens: int, max_positions: 
     return eval_windows(tokenizer, data.model_copy(update={"part": "eval"}), length, eval_tokens)
 
 
-def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window], label: str = "in-memory model") -> float:
-    """Token perplexity of an in-memory model on prepared windows; ``label`` names it on the progress bar."""
-    device = next(model.parameters()).device
-    score = score_windows(model, tokens.ids, windows, 1, device, label)
+def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window], label: str = "in-memory model",
+                  device: torch.device | None = None) -> float:
+    """Token perplexity of an in-memory model on prepared windows, moved to ``device`` for it (default: where it
+    is); ``label`` names it on the progress bar."""
+    from attnsurg.placement import on_device
+
+    with on_device(model, device):
+        score = score_windows(model, tokens.ids, windows, 1, next(model.parameters()).device, label)
     return math.exp(score.nll / score.tokens)
 
 

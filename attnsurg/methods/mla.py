@@ -43,6 +43,7 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -61,6 +62,7 @@ from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.calibrate import additive_mask, input_statistics, prompt_layout
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
+from attnsurg.placement import on_device
 from attnsurg.methods.factorized import load_complete_state
 from attnsurg.methods import MethodSpec, register
 
@@ -696,7 +698,7 @@ def sampled_output(attention: DeepseekV3Attention, x: torch.Tensor, rope: tuple[
     q_rot, _ = rotate(q_rot, q_rot[..., :1, :], cos[:, rows], sin[:, rows])
     _, k_rot = rotate(k_rot[..., :1, :], k_rot, cos, sin)
     keys, values = attention.expand_kv(latent, k_rot)
-    visible = rows[:, None] >= torch.arange(length)[None] if visible is None else visible[:, None, rows]
+    visible = rows[:, None] >= torch.arange(length, device=rows.device)[None] if visible is None else visible[:, None, rows]
     output = torch.nn.functional.scaled_dot_product_attention(
         torch.cat([q_pass, q_rot], dim=-1), keys, values, attn_mask=visible, scale=attention.scaling
     )
@@ -724,17 +726,22 @@ def refine_layer(
     55 s at 0.5) for a ppl ratio 2-6% higher (benchmarks/mla_budget.py --refine-queries 512 against the
     default). ``token_scale`` ([n, L, 1]) weights each token's error; ``layout`` (``window_layout``) says
     where the windows' prompts start (default: one per window)."""
-    length, train = x.shape[1], x.shape[0] - held_out
+    length, train, device = x.shape[1], x.shape[0] - held_out, x.device
     positions, visible = layout if layout is not None else window_layout(x.shape[0], length)
-    cos, sin = DeepseekV3RotaryEmbedding(config)(x[:1], positions)
-    token_scale = torch.ones(*x.shape[:2], 1) if token_scale is None else token_scale
+    positions, visible = positions.to(device), visible.to(device)
+    cos, sin = DeepseekV3RotaryEmbedding(config).to(device)(x[:1], positions)
+    token_scale = torch.ones(*x.shape[:2], 1, device=device) if token_scale is None else token_scale
     energy = (target[:train] * token_scale[:train]).pow(2).mean()
-    attention = mla_attention(config, index, w, o_weight)
+
+    def closed_form() -> DeepseekV3Attention:
+        return mla_attention(config, index, w, o_weight.cpu()).to(device)
+
+    attention = closed_form()
     queries = min(length, REFINE_STEP_QUERIES)
-    generator = torch.Generator().manual_seed(index)
+    generator = torch.Generator().manual_seed(index)  # on the CPU: the same rows on every device
 
     def random_rows() -> torch.Tensor:
-        return torch.randperm(length, generator=generator)[:queries].sort().values
+        return torch.randperm(length, generator=generator)[:queries].sort().values.to(device)
 
     def output_at(rows: torch.Tensor, windows: slice) -> torch.Tensor:
         return sampled_output(attention, x[windows], (cos[windows], sin[windows]), rows, visible[windows])
@@ -778,9 +785,9 @@ def refine_layer(
     elif error_over(0, train) >= before:
         steps = 0
     if steps == 0:
-        attention = mla_attention(config, index, w, o_weight)
+        attention = closed_form()
     with torch.no_grad():
-        every_row = torch.arange(length)
+        every_row = torch.arange(length, device=device)
         output = torch.cat([output_at(every_row, slice(i, i + WINDOWS_PER_CHUNK)) for i in range(0, len(x), WINDOWS_PER_CHUNK)])
     errors = LayerError(before, error_over(0, train), held_before, error_over(train, x.shape[0]), steps)
     return (weights_of(attention, w) if steps else w), errors, output
@@ -790,7 +797,7 @@ def weights_of(attention: DeepseekV3Attention, w: MLAWeights) -> MLAWeights:
     """A refined layer's weights read back from its module (what refinement does not train comes from ``w``)."""
     def read(module: torch.nn.Module, name: str) -> torch.Tensor | None:
         tensor = getattr(module, name)
-        return None if tensor is None else tensor.detach().double()
+        return None if tensor is None else tensor.detach().double().cpu()
 
     if attention.q_b_proj is not None:
         q_b = read(attention.q_b_proj, "weight")
@@ -821,15 +828,21 @@ class SequentialRefiner:
     prompts of their own (``calibrate.short_prompt_starts``)."""
 
     def __init__(self, rotary: torch.nn.Module, family: Family, embeddings: torch.Tensor, config: DeepseekV3Config,
-                 held_out: int = 0, starts: torch.Tensor | None = None):
-        self.rotary, self.family, self.config, self.held_out = rotary, family, config, held_out
-        self.original = embeddings  # [n, L, D]: the first decoder layer's input on the refinement windows, held-out last
-        self.stream = embeddings.clone()
-        self.layout = window_layout(*embeddings.shape[:2], starts)
+                 held_out: int = 0, starts: torch.Tensor | None = None, device: torch.device | None = None):
+        self.device = device or embeddings.device  # where both streams live and each layer is refined
+        self.rotary, self.family, self.config, self.held_out = copy.deepcopy(rotary).to(self.device), family, config, held_out
+        self.original = embeddings.to(self.device)  # [n, L, D]: the first decoder layer's input on the refinement windows, held-out last
+        self.stream = self.original.clone()
+        self.layout = tuple(t.to(self.device) for t in window_layout(*embeddings.shape[:2], starts))
 
     @torch.no_grad()
     def refine(self, index: int, layer: torch.nn.Module, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, LayerError]:
-        """Refine decoder layer ``index`` (``layer``: the source's, in float32) from its closed form ``w``."""
+        """Refine decoder layer ``index`` (``layer``: the source's, in float32) from its closed form ``w``; the
+        layer is moved to the refiner's device for it and back."""
+        with on_device(layer, self.device):
+            return self.refine_on_device(index, layer, w, settings)
+
+    def refine_on_device(self, index: int, layer: torch.nn.Module, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, LayerError]:
         source_attn = getattr(layer, self.family.attention_attr)
         norm = getattr(layer, self.family.input_norm)
         attended = self.source_attention(source_attn, norm(self.original))
@@ -868,15 +881,17 @@ def convert(
     refinement: Refinement | None = None,
     progress=None,
     starts: torch.Tensor | None = None,
+    device: torch.device | None = None,
 ) -> MLAConversion:
     """Convert every layer from calibration windows (token ids): the closed form from the attention inputs'
     second moment over all windows, then, given ``refinement`` with steps, sequential refinement on the first
     ``refinement.tokens`` of them, watched on up to HELD_OUT_SHARE as many windows that follow them.
-    ``starts`` ([n, L] bool, ``calibrate.short_prompt_starts``) cuts the windows into prompts of their own."""
+    ``starts`` ([n, L] bool, ``calibrate.short_prompt_starts``) cuts the windows into prompts of their own.
+    ``device``: where the calibration pass and refinement run (the fitting runs in float64 on the CPU)."""
     # One hooked pass streams each attention input's second moment over all windows; refinement starts from the
     # token embeddings of its windows (the first decoder layer's input in the Llama family).
     attentions = [getattr(layer, family.attention_attr) for layer in source.get_submodule(family.layers_path)]
-    statistics = input_statistics(source, attentions, windows, starts)
+    statistics = input_statistics(source, attentions, windows, starts, device)
     refinement = refinement if refinement and refinement.steps else None
     config = deepseek_config(source, plan.fitted, source.get_submodule(family.rotary_path).inv_freq)
     config._attn_implementation = "sdpa"  # the standalone refinement modules (sampled_output calls sdpa itself)
@@ -886,7 +901,8 @@ def convert(
         held_out = min(len(windows) - keep, math.ceil(keep * HELD_OUT_SHARE))
         embeddings = source.get_input_embeddings()(windows[: keep + held_out].to(source.device)).float().cpu()
         used = None if starts is None else starts[: keep + held_out]
-        refiner = SequentialRefiner(source.get_submodule(family.rotary_path), family, embeddings, config, held_out, used)
+        refiner = SequentialRefiner(source.get_submodule(family.rotary_path), family, embeddings, config, held_out, used,
+                                    device)
     layers, errors = [], []
     for index, (attn, stats) in enumerate(zip(attentions, statistics)):
         weights = fit_layer(attn, stats.sigma, plan, weighted, stats.sigma_first)

@@ -49,9 +49,11 @@ def convert_streamed(
     dtype: torch.dtype = torch.float32,
     max_shard_size: int | str = "5GB",
     progress=None,
+    device: torch.device | None = None,
 ) -> tuple[PretrainedConfig, list[LayerError]]:
     """Write the converted model's weights into ``output`` (shards and index; the caller adds config and
-    tokenizer) and return its config and each refined layer's errors."""
+    tokenizer) and return its config and each refined layer's errors. ``device``: where the calibration stream
+    and refinement run, one layer there at a time."""
     rotary = rotary_embedding(source_config)
     config = deepseek_config(source_config, plan, rotary.inv_freq)
     config.dtype = str(dtype).removeprefix("torch.")
@@ -72,10 +74,10 @@ def convert_streamed(
     if refinement:
         keep = min(len(windows), max(1, refinement.tokens // windows.shape[1]))
         held_out = min(len(windows) - keep, math.ceil(keep * HELD_OUT_SHARE))
-        refiner = SequentialRefiner(rotary, family, stream[: keep + held_out].clone(), fitted, held_out)
+        refiner = SequentialRefiner(rotary, family, stream[: keep + held_out].clone(), fitted, held_out, device=device)
     errors = []
     hooked = (family.attention_attr,)
-    for index, layer, (statistics,) in streamed_layers(reader, source_config, family, stream, hooked):
+    for index, layer, (statistics,) in streamed_layers(reader, source_config, family, stream, hooked, device):
         weights = fit_layer(getattr(layer, family.attention_attr), statistics.sigma, plan, weighted, statistics.sigma_first)
         if refiner:
             weights, error = refiner.refine(index, layer, weights, refinement)

@@ -168,6 +168,20 @@ class SpeedEval(Strict):
         return contexts
 
 
+class AnalyzeRequest(Strict):
+    """``attnsurg analyze``: spectra, RoPE energy and sparsity of a model's attention on real text."""
+
+    model: ModelRef
+    output: Path
+    data: TextData = TextData(dataset="wiki-sample", part="calib")
+    tokens: int = Field(8192, gt=1)
+    seq_len: int = Field(1024, gt=1)
+    layers: list[int] | None = None  # None: every layer
+    attention_windows: int = Field(2, gt=0, description="Windows whose attention matrices are analysed.")
+    device: str = "auto"
+    overwrite: bool = False
+
+
 class InfoRequest(Strict):
     """``attnsurg info``: the attention anatomy of one model, read from its config."""
 

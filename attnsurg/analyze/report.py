@@ -1,0 +1,80 @@
+"""The analysis report: its JSON form (pydantic models, so the file has a schema) and where it is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+REPORT_FILE = "analysis.json"
+SCHEMA_FILE = "analysis.schema.json"
+STORED_VALUES = 128  # singular values kept per spectrum in the JSON (ranks are computed on all of them)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Spectrum(Strict):
+    """Singular values, strongest first (the first STORED_VALUES), and the ranks holding 90% / 99% of the energy."""
+
+    size: int = Field(description="How many singular values there are in all.")
+    values: list[float] = Field(description="The strongest singular values, descending.")
+    rank90: int
+    rank99: int
+
+
+class ProjectionSpectra(Strict):
+    """A projection's weight spectrum, whole and per KV head (for q and o: the query heads of each KV group)."""
+
+    whole: Spectrum
+    per_kv_head: list[Spectrum]
+
+
+class HeadSparsity(Strict):
+    """One query head's attention on the analysed windows."""
+
+    top: dict[str, float] = Field(description="Mean attention mass in each query's strongest 1%, 5%, 10% of keys.")
+    sink: float = Field(description="Mean attention mass on the first token.")
+    entropy: float = Field(description="Mean attention entropy over log(context): 1 uniform, 0 one key.")
+    attention: Spectrum = Field(description="Spectrum of the attention matrix on the first window.")
+
+
+class LayerAnalysis(Strict):
+    index: int
+    weights: dict[str, ProjectionSpectra] = Field(description="q, k, v, o weight spectra.")
+    keys_pre_rope: list[Spectrum] = Field(description="Per KV head, the keys' spectrum before RoPE.")
+    keys_post_rope: list[Spectrum] = Field(description="Per KV head, the keys' spectrum after RoPE.")
+    values: list[Spectrum] = Field(description="Per KV head, the values' spectrum.")
+    kv_joint: Spectrum = Field(description="Keys (before RoPE) and values of all KV heads together: the latent an "
+                                           "MLA conversion compresses them into.")
+    key_frequency_energy: list[list[float]] = Field(description="Per KV head, the keys' share of energy per RoPE "
+                                                                "frequency (highest frequency first).")
+    query_frequency_energy: list[float] = Field(description="The queries' share of energy per RoPE frequency, "
+                                                            "over all query heads.")
+    heads: list[HeadSparsity]
+
+
+class AnalysisReport(Strict):
+    """``attnsurg analyze``: one model's attention on real text."""
+
+    model: str
+    text: str
+    tokens: int = Field(description="Tokens the activation spectra are measured on.")
+    seq_len: int
+    attention_windows: int = Field(description="Windows the attention matrices (sparsity, spectra) come from.")
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float | None
+    layers: list[LayerAnalysis]
+    seconds: float = 0.0
+
+
+def write_report(report: AnalysisReport, directory: Path) -> list[Path]:
+    """The report and its JSON schema, side by side."""
+    report_path, schema_path = directory / REPORT_FILE, directory / SCHEMA_FILE
+    report_path.write_text(report.model_dump_json(indent=1), encoding="utf-8")
+    schema_path.write_text(json.dumps(AnalysisReport.model_json_schema(), indent=1), encoding="utf-8")
+    return [report_path, schema_path]

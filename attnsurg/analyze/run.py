@@ -1,0 +1,204 @@
+"""Capture each analysed layer's Q, K and V on real text and reduce them to spectra and sparsity, one window
+at a time (nothing but running sums and the report is kept)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from attnsurg import ui
+from attnsurg.analyze.report import (
+    STORED_VALUES,
+    AnalysisReport,
+    HeadSparsity,
+    LayerAnalysis,
+    ProjectionSpectra,
+    Spectrum,
+    write_report,
+)
+from attnsurg.analyze.sparsity import TOP_SHARES, attention_probabilities, entropy_ratio, sink_mass, top_mass
+from attnsurg.analyze.spectra import (
+    energy_rank,
+    frequency_energy,
+    head_rows,
+    moment_spectrum,
+    singular_values,
+)
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.calibrate import attention_layers, calibration_windows, run_with_input_hooks
+from attnsurg.errors import UserError
+from attnsurg.info import inspect_model
+from attnsurg.io.load import load_model, load_tokenizer, resolve_device
+from attnsurg.io.save import staged_checkpoint
+from attnsurg.placement import on_device
+from attnsurg.recipe import AnalyzeRequest
+
+
+def spectrum_of(values: torch.Tensor) -> Spectrum:
+    values = values.double().cpu()
+    return Spectrum(size=len(values), values=values[:STORED_VALUES].tolist(),
+                    rank90=energy_rank(values, 0.9), rank99=energy_rank(values, 0.99))
+
+
+def weight_spectra(attention: nn.Module, anatomy: AttentionAnatomy) -> dict[str, ProjectionSpectra]:
+    """q, k, v, o weight spectra, whole and per KV head (q: the rows of each KV group's query heads; o: the
+    columns they feed)."""
+    d, kv_heads = anatomy.head_dim, anatomy.num_kv_heads
+    group = anatomy.num_heads // kv_heads * d
+    weights = {name: getattr(attention, f"{name}_proj").weight for name in "qkvo"}
+    rows = {"q": group, "k": d, "v": d}
+    spectra = {}
+    for name, weight in weights.items():
+        if name == "o":
+            parts = [weight[:, g * group : (g + 1) * group] for g in range(kv_heads)]
+        else:
+            parts = [head_rows(weight, g, rows[name]) for g in range(kv_heads)]
+        spectra[name] = ProjectionSpectra(whole=spectrum_of(singular_values(weight)),
+                                          per_kv_head=[spectrum_of(singular_values(p)) for p in parts])
+    return spectra
+
+
+@dataclass
+class LayerAccumulator:
+    """Running sums for one layer over the windows: second moments of keys (before and after RoPE) and
+    values per KV head, of all keys and values together, the queries' diagonal, and per-head attention
+    statistics on the first ``attention_windows`` windows."""
+
+    index: int
+    attention: nn.Module
+    anatomy: AttentionAnatomy
+    attention_windows: int
+    tokens: int = 0
+    windows: int = 0
+    moments: dict[str, torch.Tensor] = field(default_factory=dict)
+    top: torch.Tensor | None = None  # [heads, shares], summed over attention windows
+    sink: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    attention_spectra: list[Spectrum] = field(default_factory=list)
+
+    def add(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        a, d = self.anatomy, self.anatomy.head_dim
+        x = hidden[0].float()  # [L, D]; windows run one at a time
+        length = x.shape[0]
+
+        def heads(projection: nn.Module, count: int) -> torch.Tensor:  # [count, L, d]
+            return projection(x).view(length, count, d).transpose(0, 1)
+
+        query, key = heads(self.attention.q_proj, a.num_heads), heads(self.attention.k_proj, a.num_kv_heads)
+        value = heads(self.attention.v_proj, a.num_kv_heads)
+        cos, sin = rope
+        query_post, key_post = apply_rotary_pos_emb(query[None], key[None], cos, sin)
+        query_post, key_post = query_post[0], key_post[0]
+        self.accumulate("key_pre", torch.einsum("gld,gle->gde", key.double(), key.double()))
+        self.accumulate("key_post", torch.einsum("gld,gle->gde", key_post.double(), key_post.double()))
+        self.accumulate("value", torch.einsum("gld,gle->gde", value.double(), value.double()))
+        joint = torch.cat([key.transpose(0, 1).reshape(length, -1), value.transpose(0, 1).reshape(length, -1)], dim=1).double()
+        self.accumulate("joint", joint.T @ joint)
+        self.accumulate("query_diagonal", query.double().pow(2).sum(dim=(0, 1)))
+        self.tokens += length
+        if self.windows < self.attention_windows:
+            self.add_attention(query_post, key_post)
+        self.windows += 1
+
+    def accumulate(self, name: str, value: torch.Tensor) -> None:
+        self.moments[name] = self.moments[name] + value if name in self.moments else value
+
+    def add_attention(self, query: torch.Tensor, key: torch.Tensor) -> None:
+        groups = self.anatomy.num_heads // self.anatomy.num_kv_heads
+        scale = getattr(self.attention, "scaling", self.anatomy.head_dim ** -0.5)
+        probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale)
+        top = top_mass(probabilities, TOP_SHARES).double()
+        sink, entropy = sink_mass(probabilities).double(), entropy_ratio(probabilities)
+        self.top = top if self.top is None else self.top + top
+        self.sink = sink if self.sink is None else self.sink + sink
+        self.entropy = entropy if self.entropy is None else self.entropy + entropy
+        if not self.attention_spectra:  # the first window's attention matrices
+            self.attention_spectra = [spectrum_of(torch.linalg.svdvals(p)) for p in probabilities]
+
+    def result(self) -> LayerAnalysis:
+        m, n = self.moments, self.tokens
+        seen = min(self.windows, self.attention_windows)
+        shares = [f"{share:.0%}" for share in TOP_SHARES]
+        key_energy = [frequency_energy(moment / n) for moment in m["key_pre"]]
+        query_energy = frequency_energy(torch.diag(m["query_diagonal"] / n))
+        return LayerAnalysis(
+            index=self.index,
+            weights=weight_spectra(self.attention, self.anatomy),
+            keys_pre_rope=[spectrum_of(moment_spectrum(moment / n)) for moment in m["key_pre"]],
+            keys_post_rope=[spectrum_of(moment_spectrum(moment / n)) for moment in m["key_post"]],
+            values=[spectrum_of(moment_spectrum(moment / n)) for moment in m["value"]],
+            kv_joint=spectrum_of(moment_spectrum(m["joint"] / n)),
+            key_frequency_energy=[(e / e.sum()).tolist() for e in key_energy],
+            query_frequency_energy=(query_energy / query_energy.sum()).tolist(),
+            heads=[HeadSparsity(top=dict(zip(shares, (self.top[h] / seen).tolist(), strict=True)),
+                                sink=float(self.sink[h] / seen), entropy=float(self.entropy[h] / seen),
+                                attention=self.attention_spectra[h])
+                   for h in range(self.anatomy.num_heads)],
+        )
+
+
+def chosen_layers(layers: list[int] | None, num_layers: int) -> list[int]:
+    if layers is None:
+        return list(range(num_layers))
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise UserError(f"--layers {','.join(map(str, bad))}: the model has layers 0-{num_layers - 1}")
+    return sorted(set(layers))
+
+
+@torch.no_grad()
+def analyze_layers(model: nn.Module, family: Family, anatomy: AttentionAnatomy, windows: torch.Tensor,
+                   layers: list[int], attention_windows: int) -> list[LayerAnalysis]:
+    """Run the model over the windows once, each analysed layer's attention input reduced as it passes."""
+    attentions = attention_layers(model, family)
+    accumulators = [LayerAccumulator(i, attentions[i], anatomy, attention_windows) for i in layers]
+    device = next(model.parameters()).device
+    positions = torch.arange(windows.shape[1], device=device)[None]
+    rotary = model.get_submodule(family.rotary_path)
+    rope = None
+
+    def receive(slot: int, hidden: torch.Tensor) -> None:
+        nonlocal rope
+        if rope is None:
+            rope = rotary(hidden, positions)
+        accumulators[slot].add(hidden, rope)
+
+    run_with_input_hooks(model, [attentions[i] for i in layers], windows, receive)
+    with ui.status("Reducing the spectra..."):
+        return [accumulator.result() for accumulator in accumulators]
+
+
+def run_analysis(request: AnalyzeRequest) -> tuple[AnalysisReport, list[Path]]:
+    """Analyse the model's attention and write the report (JSON, schema, plots) into ``request.output``."""
+    from attnsurg.analyze.plots import write_plots
+
+    started = time.perf_counter()
+    source, _, anatomy = inspect_model(request.model)
+    family_for_surgery(anatomy.model_type)  # the families whose attention layout the capture reads
+    layers = chosen_layers(request.layers, anatomy.num_layers)
+    device = resolve_device(request.device)
+    with staged_checkpoint(request.output, request.overwrite) as staging:
+        with ui.status(f"Loading {request.model.ref}..."):
+            model = load_model(source, torch.float32, "cpu", request.model.trust_remote_code, request.model.allow_pickle)
+            tokenizer = load_tokenizer(source, request.model.trust_remote_code)
+        seq_len = min(request.seq_len, anatomy.max_positions or request.seq_len)
+        windows = calibration_windows(tokenizer, request.data, request.tokens, seq_len)
+        with on_device(model, device):
+            analysed = analyze_layers(model, family_for_surgery(anatomy.model_type), anatomy, windows, layers,
+                                      request.attention_windows)
+        report = AnalysisReport(
+            model=request.model.ref, text=request.data.dataset or str(request.data.text), tokens=windows.numel(),
+            seq_len=seq_len, attention_windows=min(request.attention_windows, len(windows)), head_dim=anatomy.head_dim,
+            num_heads=anatomy.num_heads, num_kv_heads=anatomy.num_kv_heads, rope_theta=anatomy.rope_theta,
+            layers=analysed)
+        with ui.status("Plotting..."):
+            plots = write_plots(report, staging)
+        report.seconds = time.perf_counter() - started
+        files = write_report(report, staging) + plots
+    return report, [request.output / f.name for f in files]

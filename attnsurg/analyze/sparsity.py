@@ -1,0 +1,51 @@
+"""How concentrated attention is: the mass in each query's strongest keys, and the mass on the first token
+(the attention sink, Xiao et al. 2023)."""
+
+from __future__ import annotations
+
+import torch
+
+TOP_SHARES = (0.01, 0.05, 0.1)
+MIN_CONTEXT = 16  # queries that see fewer keys say little about sparsity (their top 1% is one key)
+
+
+def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention [H, L, L] from post-RoPE queries [H, L, d] and keys [H, L, d] (keys already
+    repeated to the query heads), in float32."""
+    length = query.shape[1]
+    scores = (query.float() @ key.float().transpose(-1, -2)) * scale
+    future = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+
+
+def top_mass(probabilities: torch.Tensor, shares: tuple[float, ...] = TOP_SHARES,
+             min_context: int = MIN_CONTEXT) -> torch.Tensor:
+    """[heads, shares]: per head, the mean over queries (those seeing at least ``min_context`` keys) of the
+    attention mass in the ceil(share x context) strongest keys of each query (one sort for every share)."""
+    length = probabilities.shape[-1]
+    context = torch.arange(1, length + 1, device=probabilities.device)
+    cumulative = probabilities.sort(dim=-1, descending=True).values.cumsum(-1)
+    rows = context >= min(min_context, length)
+    masses = []
+    for share in shares:
+        counts = torch.ceil(context.double() * share).long().clamp(1, length)
+        kept = cumulative.gather(-1, (counts - 1).expand(*probabilities.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+        masses.append(kept[..., rows].mean(-1))
+    return torch.stack(masses, dim=-1)
+
+
+def sink_mass(probabilities: torch.Tensor, min_context: int = MIN_CONTEXT) -> torch.Tensor:
+    """Per head, the mean attention mass on the first token (queries seeing at least ``min_context`` keys)."""
+    length = probabilities.shape[-1]
+    rows = torch.arange(1, length + 1, device=probabilities.device) >= min(min_context, length)
+    return probabilities[..., rows, 0].mean(-1)
+
+
+def entropy_ratio(probabilities: torch.Tensor, min_context: int = MIN_CONTEXT) -> torch.Tensor:
+    """Per head, the mean attention entropy over log(context): 1 is uniform over the context, 0 one key."""
+    length = probabilities.shape[-1]
+    context = torch.arange(1, length + 1, device=probabilities.device).double()
+    entropy = -(probabilities.double() * probabilities.double().clamp_min(1e-30).log()).sum(-1)
+    rows = context >= max(2, min(min_context, length))
+    return (entropy[..., rows] / context[rows].log()).mean(-1)
+

@@ -182,6 +182,26 @@ class AnalyzeRequest(Strict):
     overwrite: bool = False
 
 
+class ApproxRequest(Strict):
+    """``attnsurg analyze approx``: the survey's attention approximations on a model's own Q, K, V."""
+
+    model: ModelRef
+    output: Path
+    data: TextData = TextData(dataset="wiki-sample", part="calib")
+    seq_len: int = Field(1024, gt=1)
+    layers: list[int] | None = None  # None: the first, middle and last layers
+    budgets: list[float] = Field(default_factory=lambda: [1 / 16, 1 / 8, 1 / 4], min_length=1)
+    device: str = "auto"
+    overwrite: bool = False
+
+    @field_validator("budgets")
+    @classmethod
+    def _shares(cls, budgets: list[float]) -> list[float]:
+        if any(not 0 < b <= 1 for b in budgets):
+            raise ValueError("budgets are shares of exact attention's cost, in (0, 1]")
+        return sorted(budgets)
+
+
 class InfoRequest(Strict):
     """``attnsurg info``: the attention anatomy of one model, read from its config."""
 

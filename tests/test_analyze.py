@@ -112,3 +112,66 @@ def test_layers_restrict_the_report_and_bad_ones_are_one_line(tiny_checkpoints, 
     assert bad.exit_code == 2 and "layers 0-1" in bad.output and not (tmp_path / "bad").exists()
     again = CliRunner().invoke(app, [*common, "--layers", "1", "-o", str(tmp_path / "one")])
     assert again.exit_code == 2 and "--overwrite" in again.output
+
+
+# ------------------------------------------------------------------------------------ analyze approx
+def random_heads(scale: float, length: int = 96, d: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(length, d, generator=g, dtype=torch.float64) * s for s in (scale, scale, 1.0)]
+
+
+@pytest.mark.parametrize("family", ["low rank", "lsh", "top-k", "loki"])
+def test_causal_families_are_exact_at_full_budget(family):
+    from attnsurg.analyze.approx import FAMILIES, exact_attention, relative_error
+
+    q, k, v = random_heads(1.5)
+    exact = exact_attention(q, k, v, 0.25)
+    assert relative_error(FAMILIES[family](q, k, v, 0.25, 1.0, torch.Generator().manual_seed(0)), exact) < 1e-10
+
+
+def test_nystrom_is_exact_with_every_token_a_landmark_and_the_exact_inverse():
+    from attnsurg.analyze.approx import bidirectional_attention, nystrom, relative_error
+
+    q, k, v = random_heads(0.5)
+    reference = bidirectional_attention(q, k, v, 0.25)
+    assert relative_error(nystrom(q, k, v, 0.25, 1.0, iterations=None), reference) < 1e-8
+    assert relative_error(nystrom(q, k, v, 0.25, 1.0), reference) < 0.05  # six iterations of the inverse
+
+
+@pytest.mark.parametrize("family", ["low rank", "nystrom", "lsh", "top-k", "loki"])
+def test_error_falls_as_the_budget_grows(family):
+    from attnsurg.analyze.approx import family_errors
+
+    q, k, v = random_heads(1.0 if family == "nystrom" else 1.5)
+    errors = family_errors(q[None], k[None], v[None], 0.25, (1 / 16, 1 / 4, 1.0))[family]
+    assert errors[0] > errors[1] > errors[2], errors
+
+
+def test_performer_error_falls_with_more_random_features_where_attention_is_smooth():
+    """Random features are unbiased, not exact: their error shrinks like 1/sqrt(m) (averaged over draws)."""
+    from attnsurg.analyze.approx import exact_attention, performer, relative_error
+
+    q, k, v = random_heads(0.3)
+    exact = exact_attention(q, k, v, 0.25)
+
+    def mean_error(budget: float) -> float:
+        return sum(relative_error(performer(q, k, v, 0.25, budget, torch.Generator().manual_seed(s)), exact)
+                   for s in range(5)) / 5
+
+    few, many = mean_error(1 / 8), mean_error(8.0)
+    assert many < few / 3, (few, many)
+
+
+def test_approx_command_writes_a_report_that_validates(tiny_checkpoints, corpus_file, tmp_path):
+    out = tmp_path / "approx"
+    result = CliRunner().invoke(app, ["analyze", "approx", str(tiny_checkpoints["llama-gqa"]), "--text", str(corpus_file),
+                                      "--seq-len", "64", "--budgets", "1/8,0.5", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "approx.json").read_text())
+    jsonschema.validate(record, json.loads((out / "approx.schema.json").read_text()))
+    assert record["budgets"] == [0.125, 0.5] and [layer["index"] for layer in record["layers"]] == [0, 1]
+    assert set(record["layers"][0]["errors"]) == {"low rank", "nystrom", "performer", "lsh", "top-k", "loki"}
+    assert matplotlib.image.imread(out / "approx.png").shape[0] > 100
+    bad = CliRunner().invoke(app, ["analyze", "approx", str(tiny_checkpoints["llama-gqa"]), "--budgets", "2",
+                                   "-o", str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "(0, 1]" in bad.output and not (tmp_path / "bad").exists()

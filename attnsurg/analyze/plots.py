@@ -141,3 +141,20 @@ def write_plots(report: AnalysisReport, directory: Path) -> list[Path]:
         rope_energy_figure(report, directory / "rope_energy.png"),
         sparsity_figure(report, directory / "sparsity.png"),
     ]
+
+
+def approx_figure(report, path: Path) -> Path:
+    """One panel per layer: each family's relative output error against the budget, log-log."""
+    count = len(report.layers)
+    figure, axes = plt.subplots(1, count, figsize=(5.5 * count, 4.5), constrained_layout=True, squeeze=False)
+    for axis, layer in zip(axes[0], report.layers, strict=True):
+        for family, errors in layer.errors.items():
+            label = family + (" (bidirectional)" if family in report.bidirectional else "")
+            axis.loglog(report.budgets, np.maximum(errors, 1e-6), marker="o", label=label)
+        axis.set_title(f"layer {layer.index}")
+        axis.set_xlabel("budget (share of exact attention's cost)")
+        axis.set_ylabel("||O~ - O|| / ||O||")
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    figure.suptitle(f"{report.model}: attention approximations on {report.seq_len} tokens of {report.text}")
+    return save(figure, path)

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-REPORT_FILE = "analysis.json"
-SCHEMA_FILE = "analysis.schema.json"
 STORED_VALUES = 128  # singular values kept per spectrum in the JSON (ranks are computed on all of them)
 
 
@@ -72,9 +70,27 @@ class AnalysisReport(Strict):
     seconds: float = 0.0
 
 
-def write_report(report: AnalysisReport, directory: Path) -> list[Path]:
-    """The report and its JSON schema, side by side."""
-    report_path, schema_path = directory / REPORT_FILE, directory / SCHEMA_FILE
-    report_path.write_text(report.model_dump_json(indent=1), encoding="utf-8")
-    schema_path.write_text(json.dumps(AnalysisReport.model_json_schema(), indent=1), encoding="utf-8")
+class LayerApprox(Strict):
+    index: int
+    errors: dict[str, list[float]] = Field(description="Per family, the mean over heads of ||O~ - O|| / ||O|| at "
+                                                        "each budget.")
+
+
+class ApproxReport(Strict):
+    """``attnsurg analyze approx``: each approximation family's attention-output error at equal budgets."""
+
+    model: str
+    text: str
+    seq_len: int
+    budgets: list[float] = Field(description="Shares of exact attention's cost.")
+    bidirectional: list[str] = Field(description="Families measured against bidirectional attention (no causal form).")
+    layers: list[LayerApprox]
+    seconds: float = 0.0
+
+
+def write_json(model: BaseModel, directory: Path, name: str) -> list[Path]:
+    """A report and its JSON schema, side by side (``name.json``, ``name.schema.json``)."""
+    report_path, schema_path = directory / f"{name}.json", directory / f"{name}.schema.json"
+    report_path.write_text(model.model_dump_json(indent=1), encoding="utf-8")
+    schema_path.write_text(json.dumps(type(model).model_json_schema(), indent=1), encoding="utf-8")
     return [report_path, schema_path]

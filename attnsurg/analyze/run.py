@@ -15,11 +15,13 @@ from attnsurg import ui
 from attnsurg.analyze.report import (
     STORED_VALUES,
     AnalysisReport,
+    ApproxReport,
     HeadSparsity,
+    LayerApprox,
     LayerAnalysis,
     ProjectionSpectra,
     Spectrum,
-    write_report,
+    write_json,
 )
 from attnsurg.analyze.sparsity import TOP_SHARES, attention_probabilities, entropy_ratio, sink_mass, top_mass
 from attnsurg.analyze.spectra import (
@@ -37,7 +39,7 @@ from attnsurg.info import inspect_model
 from attnsurg.io.load import load_model, load_tokenizer, resolve_device
 from attnsurg.io.save import staged_checkpoint
 from attnsurg.placement import on_device
-from attnsurg.recipe import AnalyzeRequest
+from attnsurg.recipe import AnalyzeRequest, ApproxRequest
 
 
 def spectrum_of(values: torch.Tensor) -> Spectrum:
@@ -64,6 +66,23 @@ def weight_spectra(attention: nn.Module, anatomy: AttentionAnatomy) -> dict[str,
     return spectra
 
 
+def head_projections(attention: nn.Module, anatomy: AttentionAnatomy, hidden: torch.Tensor,
+                     rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Queries, keys and values per head ([heads, L, d]) from one window's attention input ([1, L, D]), and the
+    queries and keys after RoPE."""
+    x, d = hidden[0].float(), anatomy.head_dim
+    length = x.shape[0]
+
+    def heads(projection: nn.Module, count: int) -> torch.Tensor:
+        return projection(x).view(length, count, d).transpose(0, 1)
+
+    query, key = heads(attention.q_proj, anatomy.num_heads), heads(attention.k_proj, anatomy.num_kv_heads)
+    value = heads(attention.v_proj, anatomy.num_kv_heads)
+    cos, sin = rope
+    query_post, key_post = apply_rotary_pos_emb(query[None], key[None], cos, sin)
+    return query, key, value, query_post[0], key_post[0]
+
+
 @dataclass
 class LayerAccumulator:
     """Running sums for one layer over the windows: second moments of keys (before and after RoPE) and
@@ -83,18 +102,8 @@ class LayerAccumulator:
     attention_spectra: list[Spectrum] = field(default_factory=list)
 
     def add(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
-        a, d = self.anatomy, self.anatomy.head_dim
-        x = hidden[0].float()  # [L, D]; windows run one at a time
-        length = x.shape[0]
-
-        def heads(projection: nn.Module, count: int) -> torch.Tensor:  # [count, L, d]
-            return projection(x).view(length, count, d).transpose(0, 1)
-
-        query, key = heads(self.attention.q_proj, a.num_heads), heads(self.attention.k_proj, a.num_kv_heads)
-        value = heads(self.attention.v_proj, a.num_kv_heads)
-        cos, sin = rope
-        query_post, key_post = apply_rotary_pos_emb(query[None], key[None], cos, sin)
-        query_post, key_post = query_post[0], key_post[0]
+        query, key, value, query_post, key_post = head_projections(self.attention, self.anatomy, hidden, rope)
+        length = query.shape[1]
         self.accumulate("key_pre", torch.einsum("gld,gle->gde", key.double(), key.double()))
         self.accumulate("key_post", torch.einsum("gld,gle->gde", key_post.double(), key_post.double()))
         self.accumulate("value", torch.einsum("gld,gle->gde", value.double(), value.double()))
@@ -174,31 +183,107 @@ def analyze_layers(model: nn.Module, family: Family, anatomy: AttentionAnatomy, 
         return [accumulator.result() for accumulator in accumulators]
 
 
+@dataclass
+class Loaded:
+    """The model in float32 on the CPU, its anatomy, family and the windows of text it is analysed on."""
+
+    model: nn.Module
+    anatomy: AttentionAnatomy
+    family: Family
+    windows: torch.Tensor
+
+
+def load_for_analysis(request: AnalyzeRequest | ApproxRequest, tokens: int) -> Loaded:
+    source, _, anatomy = inspect_model(request.model)
+    family = family_for_surgery(anatomy.model_type)  # the families whose attention layout the capture reads
+    with ui.status(f"Loading {request.model.ref}..."):
+        model = load_model(source, torch.float32, "cpu", request.model.trust_remote_code, request.model.allow_pickle)
+        tokenizer = load_tokenizer(source, request.model.trust_remote_code)
+    seq_len = min(request.seq_len, anatomy.max_positions or request.seq_len)
+    return Loaded(model, anatomy, family, calibration_windows(tokenizer, request.data, max(tokens, seq_len), seq_len))
+
+
+def check_request(request: AnalyzeRequest | ApproxRequest) -> tuple[AttentionAnatomy, torch.device]:
+    """Everything that can be refused before loading: the model, its family, the layers, the device."""
+    _, _, anatomy = inspect_model(request.model)
+    family_for_surgery(anatomy.model_type)
+    chosen_layers(request.layers, anatomy.num_layers)
+    return anatomy, resolve_device(request.device)
+
+
 def run_analysis(request: AnalyzeRequest) -> tuple[AnalysisReport, list[Path]]:
     """Analyse the model's attention and write the report (JSON, schema, plots) into ``request.output``."""
     from attnsurg.analyze.plots import write_plots
 
     started = time.perf_counter()
-    source, _, anatomy = inspect_model(request.model)
-    family_for_surgery(anatomy.model_type)  # the families whose attention layout the capture reads
+    anatomy, device = check_request(request)
     layers = chosen_layers(request.layers, anatomy.num_layers)
-    device = resolve_device(request.device)
     with staged_checkpoint(request.output, request.overwrite) as staging:
-        with ui.status(f"Loading {request.model.ref}..."):
-            model = load_model(source, torch.float32, "cpu", request.model.trust_remote_code, request.model.allow_pickle)
-            tokenizer = load_tokenizer(source, request.model.trust_remote_code)
-        seq_len = min(request.seq_len, anatomy.max_positions or request.seq_len)
-        windows = calibration_windows(tokenizer, request.data, request.tokens, seq_len)
-        with on_device(model, device):
-            analysed = analyze_layers(model, family_for_surgery(anatomy.model_type), anatomy, windows, layers,
+        loaded = load_for_analysis(request, request.tokens)
+        with on_device(loaded.model, device):
+            analysed = analyze_layers(loaded.model, loaded.family, anatomy, loaded.windows, layers,
                                       request.attention_windows)
         report = AnalysisReport(
-            model=request.model.ref, text=request.data.dataset or str(request.data.text), tokens=windows.numel(),
-            seq_len=seq_len, attention_windows=min(request.attention_windows, len(windows)), head_dim=anatomy.head_dim,
-            num_heads=anatomy.num_heads, num_kv_heads=anatomy.num_kv_heads, rope_theta=anatomy.rope_theta,
-            layers=analysed)
+            model=request.model.ref, text=request.data.dataset or str(request.data.text), tokens=loaded.windows.numel(),
+            seq_len=loaded.windows.shape[1], attention_windows=min(request.attention_windows, len(loaded.windows)),
+            head_dim=anatomy.head_dim, num_heads=anatomy.num_heads, num_kv_heads=anatomy.num_kv_heads,
+            rope_theta=anatomy.rope_theta, layers=analysed)
         with ui.status("Plotting..."):
             plots = write_plots(report, staging)
         report.seconds = time.perf_counter() - started
-        files = write_report(report, staging) + plots
+        files = write_json(report, staging, "analysis") + plots
+    return report, [request.output / f.name for f in files]
+
+
+def default_approx_layers(num_layers: int) -> list[int]:
+    return sorted({0, num_layers // 2, num_layers - 1})
+
+
+@torch.no_grad()
+def captured_heads(loaded: Loaded, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+    """Per layer, the first window's post-RoPE queries, keys and values per query head (keys and values
+    repeated to their query heads) and the softmax scale."""
+    attentions = attention_layers(loaded.model, loaded.family)
+    a = loaded.anatomy
+    device = next(loaded.model.parameters()).device
+    rotary = loaded.model.get_submodule(loaded.family.rotary_path)
+    captured = {}
+
+    def receive(slot: int, hidden: torch.Tensor) -> None:
+        attention = attentions[layers[slot]]
+        rope = rotary(hidden, torch.arange(hidden.shape[1], device=device)[None])
+        _, _, value, query, key = head_projections(attention, a, hidden, rope)
+        groups = a.num_heads // a.num_kv_heads
+        scale = getattr(attention, "scaling", a.head_dim ** -0.5)
+        captured[layers[slot]] = (query.cpu(), key.repeat_interleave(groups, 0).cpu(),
+                                  value.repeat_interleave(groups, 0).cpu(), scale)
+
+    run_with_input_hooks(loaded.model, [attentions[i] for i in layers], loaded.windows[:1], receive)
+    return captured
+
+
+def run_approx(request: ApproxRequest) -> tuple[ApproxReport, list[Path]]:
+    """Each approximation family's output error on the model's own Q, K, V at each budget, per layer; the
+    report (JSON, schema, one plot) written into ``request.output``."""
+    from attnsurg.analyze.approx import BIDIRECTIONAL, family_errors
+    from attnsurg.analyze.plots import approx_figure
+
+    started = time.perf_counter()
+    anatomy, device = check_request(request)
+    layers = default_approx_layers(anatomy.num_layers) if request.layers is None else chosen_layers(request.layers, anatomy.num_layers)
+    with staged_checkpoint(request.output, request.overwrite) as staging:
+        loaded = load_for_analysis(request, request.seq_len)
+        with on_device(loaded.model, device):
+            captured = captured_heads(loaded, layers)
+        results = []
+        with ui.progress_bar("Approximating", total=len(layers), unit="layers") as advance:
+            for index in layers:
+                results.append(LayerApprox(index=index, errors=family_errors(*captured[index], tuple(request.budgets))))
+                advance()
+        report = ApproxReport(model=request.model.ref, text=request.data.dataset or str(request.data.text),
+                              seq_len=loaded.windows.shape[1], budgets=request.budgets,
+                              bidirectional=sorted(BIDIRECTIONAL), layers=results)
+        plot = approx_figure(report, staging / "approx.png")
+        report.seconds = time.perf_counter() - started
+        files = write_json(report, staging, "approx") + [plot]
     return report, [request.output / f.name for f in files]

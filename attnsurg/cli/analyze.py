@@ -10,6 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from typer.core import TyperGroup
+
 from attnsurg.cli.common import (
     AllowPickle,
     Device,
@@ -37,15 +39,42 @@ def parse_layers(value: str) -> list[int] | None:
     return layers
 
 
-@app.command()
+class DefaultReport(TyperGroup):
+    """``attnsurg analyze MODEL`` runs the ``report`` subcommand; ``attnsurg analyze approx MODEL`` the other."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["report", *args]
+        return super().parse_args(ctx, args)
+
+
+analyze_app = typer.Typer(
+    cls=DefaultReport, no_args_is_help=True,
+    help="The numerical lens on a model's attention: `attnsurg analyze MODEL -o DIR` (spectra, RoPE energy, "
+         "sparsity) and `attnsurg analyze approx MODEL -o DIR` (the survey's approximations at equal budgets).")
+app.add_typer(analyze_app, name="analyze")
+
+ModelArgument = Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")]
+Dataset = Annotated[str, typer.Option("--dataset", help="Built-in dataset (its calibration part is read), a comma list, or all.")]
+TextFile = Annotated[Path | None, typer.Option("--text", help="A UTF-8 file to read instead.")]
+SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per window.")]
+
+
+def text_data(dataset: str, text: Path | None):
+    from attnsurg.recipe import TextData
+
+    return TextData(dataset=None if text else dataset, text=text, part="calib")
+
+
+@analyze_app.command("report")
 @user_errors
 def analyze(
-    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
+    model: ModelArgument,
     output: Annotated[Path, typer.Option("--output", "-o", help="Report directory (plots, analysis.json and its schema).")],
-    dataset: Annotated[str, typer.Option("--dataset", help="Built-in dataset (its calibration part is read), a comma list, or all.")] = "wiki-sample",
-    text: Annotated[Path | None, typer.Option("--text", help="A UTF-8 file to read instead.")] = None,
+    dataset: Dataset = "wiki-sample",
+    text: TextFile = None,
     tokens: Annotated[int, typer.Option("--tokens", help="Tokens the activation spectra are measured on.")] = 8192,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per window.")] = 1024,
+    seq_len: SeqLen = 1024,
     layers: Annotated[str, typer.Option("--layers", help="all, or layers such as 0,4,8-11.")] = "all",
     attention_windows: Annotated[int, typer.Option("--attention-windows", help="Windows whose attention matrices are analysed.")] = 2,
     device: Device = "auto",
@@ -54,14 +83,13 @@ def analyze(
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Measure a model's attention on real text: weight, key, value and attention spectra, the ranks holding
-    90%/99% of the energy, RoPE energy per frequency, attention sparsity and sinks; plots and JSON."""
+    """Spectra, energy ranks, RoPE energy and sparsity of a model's attention on real text; plots and JSON."""
     from attnsurg.analyze import run_analysis
-    from attnsurg.recipe import AnalyzeRequest, ModelRef, TextData
+    from attnsurg.recipe import AnalyzeRequest, ModelRef
 
     request = AnalyzeRequest(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle), output=output,
-        data=TextData(dataset=None if text else dataset, text=text, part="calib"), tokens=tokens, seq_len=seq_len,
+        data=text_data(dataset, text), tokens=tokens, seq_len=seq_len,
         layers=parse_layers(layers), attention_windows=attention_windows, device=device, overwrite=overwrite)
     report, files = run_analysis(request)
     if json_output:
@@ -123,3 +151,62 @@ def headline_summary(report) -> list[str]:
         f"keys after RoPE: median rank holding 99% of the energy {keys:.0f} of {report.head_dim} (a Loki scoring rank)",
         f"the strongest 5% of keys hold {top5:.0%} of the attention mass on average (top-k attention keeps that much)",
     ]
+
+
+def parse_budgets(value: str) -> list[float]:
+    """Comma list of shares: 0.25, 1/16."""
+    try:
+        return [float(part) if "/" not in part else float(part.split("/")[0]) / float(part.split("/")[1])
+                for part in value.split(",")]
+    except (ValueError, ZeroDivisionError):
+        raise UserError(f"--budgets '{value}': give shares of exact attention's cost, such as 1/16,1/8,1/4") from None
+
+
+@analyze_app.command("approx")
+@user_errors
+def approx(
+    model: ModelArgument,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Report directory (approx.png, approx.json and its schema).")],
+    dataset: Dataset = "wiki-sample",
+    text: TextFile = None,
+    seq_len: SeqLen = 1024,
+    layers: Annotated[str, typer.Option("--layers", help="Layers such as 0,4,8-11 (default: first, middle, last).")] = "",
+    budgets: Annotated[str, typer.Option("--budgets", help="Shares of exact attention's cost.")] = "1/16,1/8,1/4",
+    device: Device = "auto",
+    overwrite: Overwrite = False,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Low rank, Nystrom, Performer, LSH, top-k and Loki on the model's own Q, K, V at equal budgets."""
+    from attnsurg.analyze.run import run_approx
+    from attnsurg.recipe import ApproxRequest, ModelRef
+
+    request = ApproxRequest(
+        model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle), output=output,
+        data=text_data(dataset, text), seq_len=seq_len, layers=parse_layers(layers) if layers else None,
+        budgets=parse_budgets(budgets), device=device, overwrite=overwrite)
+    report, files = run_approx(request)
+    if json_output:
+        print(json.dumps({"report": str(files[0]), "files": [str(f) for f in files], **report.model_dump()}, indent=2))
+        return
+    out.print(approx_table(report))
+    if report.bidirectional:
+        out.print(f"{', '.join(report.bidirectional)}: measured against bidirectional attention (no causal form)",
+                  highlight=False)
+    out.print(f"Wrote {len(files)} files to {output} in {report.seconds:.0f} s", highlight=False)
+
+
+def approx_table(report) -> Table:
+    """Family x budget: the relative output error, mean over the analysed layers and their heads."""
+    layers = ", ".join(str(layer.index) for layer in report.layers)
+    table = Table(title=f"{report.model}: ||O~ - O|| / ||O|| on {report.seq_len} tokens of {report.text}, "
+                        f"mean over layers {layers}", title_justify="left")
+    table.add_column("family")
+    for budget in report.budgets:
+        table.add_column(f"budget {budget:.3g}", justify="right")
+    families = report.layers[0].errors
+    for family in families:
+        errors = [mean(layer.errors[family][i] for layer in report.layers) for i in range(len(report.budgets))]
+        table.add_row(family, *(f"{e:.3f}" for e in errors))
+    return table

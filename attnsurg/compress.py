@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from transformers import PreTrainedModel
+
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.calibrate import attention_layers, input_statistics
@@ -24,7 +26,15 @@ from attnsurg.methods.loki import LokiPlan, apply_loki, plan_loki
 from attnsurg.methods.stacked_tucker import StackedTuckerPlan, compress_stacked_tucker, plan_stacked_tucker
 from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
 from attnsurg.modeling import MODELING_FILE
-from attnsurg.pipeline import base_model_id, command_line, described_data, finish_surgery, healing_note, start_surgery
+from attnsurg.pipeline import (
+    base_model_id,
+    command_line,
+    described_data,
+    finish_surgery,
+    healing_note,
+    operated_once,
+    start_surgery,
+)
 from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank, Recipe
 
 Plan = LowRankPlan | HeadTensorPlan | StackedTuckerPlan
@@ -103,14 +113,24 @@ def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None 
     if dry_run:
         return report
     surgery = start_surgery(request, source, anatomy)
+    result_model = operated_once(lambda: operate(surgery, request, plan, anatomy, report), request, recipe)
+    card = (lambda: loki_card(request, report)) if isinstance(plan, LokiPlan) else (lambda: lowrank_card(request, report))
+    modeling = {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
+    finish_surgery(surgery, result_model, request, anatomy, report, card, extra_files=modeling, recipe=recipe)
+    return report
+
+
+def operate(surgery, request: Request, plan, anatomy, report: CompressReport) -> PreTrainedModel:
+    """The method's statistics and factorization; the operated model (the report gets its plan and errors)."""
     model, family, windows = surgery.model, surgery.family, surgery.windows
     attentions = attention_layers(model, family)
     stats = input_statistics(model, attentions + [getattr(a, PROJECTIONS["o"]) for a in attentions], windows,
                              device=surgery.device)
     started = time.perf_counter()
-    layer_stats = list(zip(stats[: len(attentions)], stats[len(attentions) :]))
+    layer_stats = list(zip(stats[: len(attentions)], stats[len(attentions) :], strict=True))
     with ui.progress_bar(f"Factorizing ({request.method})", total=anatomy.num_layers, unit="layers") as advance:
         if isinstance(plan, LokiPlan):
+            result = None
             result_model = apply_loki(model, family, stats[: len(attentions)], plan, windows.shape[1])
         elif isinstance(plan, HeadTensorPlan):
             result = compress_head_tensor(model, family, layer_stats, plan, request.seed, windows.shape[1], progress=advance)
@@ -119,12 +139,9 @@ def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None 
         else:
             result = compress(model, family, layer_stats, plan, windows.shape[1], progress=advance)
     report.factorize_seconds = time.perf_counter() - started
-    if not isinstance(plan, LokiPlan):
+    if result is not None:
         result_model, report.plan, report.errors = result.model, result.plan, result.errors
-    card = (lambda: loki_card(request, report)) if isinstance(plan, LokiPlan) else (lambda: lowrank_card(request, report))
-    modeling = {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
-    finish_surgery(surgery, result_model, request, anatomy, report, card, extra_files=modeling, recipe=recipe)
-    return report
+    return result_model
 
 
 def loki_card(request: CompressLoki, report: CompressReport) -> CardInfo:

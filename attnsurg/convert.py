@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
@@ -36,6 +36,7 @@ from attnsurg.pipeline import (
     described_data,
     finish_surgery,
     healing_note,
+    operated_once,
     peak_memory_gb,
     source_license,
     start_surgery,
@@ -124,16 +125,21 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     if request.stream:
         return run_streamed(request, source, anatomy, report, recipe)
     surgery = start_surgery(request, source, anatomy)
-    started = time.perf_counter()
-    with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
-        starts = short_prompt_starts(surgery.windows, request.short_prompts, request.seed)
-        result = convert(
-            surgery.model, surgery.family, surgery.windows, plan, request.weighted, refinement_of(request),
-            progress=advance, starts=starts, device=surgery.device,
-        )
-    report.convert_seconds = time.perf_counter() - started
-    report.plan, report.layer_errors = result.plan, result.layer_errors
-    finish_surgery(surgery, result.model, request, anatomy, report, lambda: mla_card(request, report), recipe=recipe)
+
+    def operate() -> PreTrainedModel:
+        started = time.perf_counter()
+        with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
+            starts = short_prompt_starts(surgery.windows, request.short_prompts, request.seed)
+            result = convert(
+                surgery.model, surgery.family, surgery.windows, plan, request.weighted, refinement_of(request),
+                progress=advance, starts=starts, device=surgery.device,
+            )
+        report.convert_seconds = time.perf_counter() - started
+        report.plan, report.layer_errors = result.plan, result.layer_errors
+        return result.model
+
+    model = operated_once(operate, request, recipe)
+    finish_surgery(surgery, model, request, anatomy, report, lambda: mla_card(request, report), recipe=recipe)
     return report
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from transformers import PreTrainedModel
 
 from attnsurg import ui
@@ -223,9 +223,7 @@ def save_step(accelerator: Accelerator, state_dir: Path, step: int, run_id: str,
 
 def remove_heal_state(state_dir: Path) -> None:
     """Called once the healed checkpoint is written: until then an interrupted run can resume."""
-    from accelerate import PartialState
-
-    if PartialState().is_main_process:
+    if process_state().is_main_process:
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
@@ -235,10 +233,22 @@ def info(accelerator: Accelerator, message: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ training
+def runs_on_cpu(device: torch.device | None = None) -> bool:
+    return not torch.cuda.is_available() or (device is not None and device.type == "cpu")
+
+
+def process_state(device: torch.device | None = None) -> PartialState:
+    """This process's place among those ``accelerate launch`` (torchrun) started. accelerate keeps one state
+    per process, fixed by whoever creates it first; created here as healing's Accelerator creates it (on the
+    CPU where there is no GPU), so CPU processes form one group whichever asks first."""
+    return PartialState(cpu=runs_on_cpu(device))
+
+
 def make_accelerator(settings: HealSettings, device: torch.device | None = None) -> Accelerator:
     """bf16 mixed precision on a GPU that has it (``auto``); on the CPU when asked (``device`` cpu) or when
     there is no GPU. Under ``accelerate launch`` each process takes the GPU accelerate gives it."""
-    on_cpu = not torch.cuda.is_available() or (device is not None and device.type == "cpu")
+    on_cpu = runs_on_cpu(device)
+    process_state(device)
     precision = settings.mixed_precision
     if precision == "auto":
         precision = "bf16" if not on_cpu and torch.cuda.is_bf16_supported() else "no"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, set_seed
+from transformers import AutoModelForCausalLM, PreTrainedModel, set_seed
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
@@ -19,10 +19,11 @@ from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.calibrate import calibration_windows
 from attnsurg.data import parse_datasets
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
-from attnsurg.heal import heal_model, heal_state_dir, remove_heal_state
+from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
 from attnsurg.io.load import DTYPES, load_model, load_tokenizer, resolve_device
 from attnsurg.io.save import check_output_path, write_checkpoint
+from attnsurg.modeling import register as register_attnsurg
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
 from attnsurg.errors import UserError
 from attnsurg.recipe import Calibration, ModelRef, Recipe, TextData
@@ -198,6 +199,29 @@ def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool
     return Surgery(family, model, tokenizer, source_windows(tokenizer, request.calibration, anatomy), started, device)
 
 
+OPERATED_DIR = "operated"  # inside the heal state directory: the surgery's result, for the other processes
+
+
+def operated_once(operate: Callable[[], PreTrainedModel], request, recipe: Recipe | None) -> PreTrainedModel:
+    """The surgery's result, computed once. Under ``accelerate launch`` (several processes) with a heal step,
+    the main process operates and saves the result beside the output (in the heal state directory, in
+    float32); the others wait for it and load it, instead of each repeating the surgery."""
+    state = process_state(resolve_device(request.device))
+    recipe = recipe or Recipe.from_request(request)
+    if state.num_processes == 1 or recipe.heal is None:
+        return operate()
+    shared = heal_state_dir(request.output) / OPERATED_DIR
+    model = None
+    if state.is_main_process:
+        model = operate()
+        model.save_pretrained(shared)
+    state.wait_for_everyone()
+    if model is None:
+        register_attnsurg()
+        model = AutoModelForCausalLM.from_pretrained(shared, dtype=torch.float32).eval()
+    return model
+
+
 def finish_surgery(
     surgery: Surgery, result: PreTrainedModel, request, anatomy: AttentionAnatomy, report,
     card: Callable[[], CardInfo], extra_files: dict[str, str] | None = None, recipe: Recipe | None = None,
@@ -251,9 +275,7 @@ def perplexity_row(data: TextData, eval_tokens: int, before: float, after: float
 
 
 def is_main_process() -> bool:
-    from accelerate import PartialState
-
-    return PartialState().is_main_process
+    return process_state().is_main_process
 
 
 def healing_note(report) -> str:

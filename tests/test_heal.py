@@ -1,6 +1,8 @@
 """Healing: the distillation loss falls, resumption reproduces an uninterrupted run, what must stay fixed
 stays fixed, and the command writes a checkpoint (or one clear line for bad input)."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -265,3 +267,59 @@ def test_gradient_checkpointing_trains_the_same_weights(teacher_and_tokenizer, c
     assert [round(loss, 5) for _, loss in losses] == [round(loss, 5) for _, loss in losses_checkpointed]
     for a, b in zip(weights, weights_checkpointed):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_under_several_processes_the_main_one_operates_and_the_others_load(tiny_checkpoints, tmp_path, monkeypatch):
+    """operated_once: the main process runs the surgery and saves it in the heal state directory; another
+    process never runs it and loads exactly that model."""
+    from types import SimpleNamespace
+
+    from attnsurg import pipeline
+    from attnsurg.recipe import ConvertMLA, HealSettings, ModelRef, Recipe
+
+    request = ConvertMLA(model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), output=tmp_path / "out", kv_budget=0.5)
+    recipe = Recipe.from_request(request, heal=HealSettings())
+    operated = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
+    runs = []
+
+    def operate():
+        runs.append(1)
+        return operated
+
+    def as_process(main: bool):
+        state = SimpleNamespace(num_processes=2, is_main_process=main, wait_for_everyone=lambda: None)
+        monkeypatch.setattr(pipeline, "process_state", lambda device=None: state)
+
+    as_process(main=True)
+    assert pipeline.operated_once(operate, request, recipe) is operated and runs == [1]
+    as_process(main=False)
+    loaded = pipeline.operated_once(operate, request, recipe)
+    assert runs == [1]  # not run again
+    for (name, a), (_, b) in zip(operated.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    monkeypatch.undo()
+    assert pipeline.operated_once(operate, request, Recipe.from_request(request)) is operated and runs == [1, 1]
+
+
+def test_two_processes_convert_once_and_heal_together(tiny_checkpoints, corpus_file, tmp_path):
+    """A convert + heal recipe under torchrun: one conversion, both processes heal, one writes."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    recipe = {
+        "model": str(tiny_checkpoints["llama-gqa"]), "output": str(tmp_path / "healed"),
+        "steps": [{"convert": {"to": "mla", "kv_budget": 0.5, "refine_steps": 2}},
+                  {"heal": {"data": {"text": str(corpus_file)}, "tokens": 512, "seq_len": 32, "batch_size": 2}}],
+        "calibration": {"data": {"text": str(corpus_file)}, "tokens": 512, "seq_len": 64},
+        "eval": {"tokens": 0},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnsurg", "run",
+               str(tmp_path / "recipe.yaml"), "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["heal"]["steps"] == 4 and len(report["layer_errors"]) == 2
+    assert (tmp_path / "healed" / "config.json").is_file() and not (tmp_path / "healed.heal-state").exists()

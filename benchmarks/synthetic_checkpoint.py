@@ -1,6 +1,6 @@
 """Random checkpoints with the exact configs of real models, for timing and memory at real shapes.
 
-    python benchmarks/synthetic_checkpoint.py llama-3.1-8b [-o out/synthetic/llama-3.1-8b] [--dtype bfloat16]
+    python benchmarks/synthetic_checkpoint.py llama-3.1-8b|llama-3.1-70b|llama-3.2-1b|qwen2.5-7b [-o out/synthetic/llama-3.1-8b] [--dtype bfloat16]
                                               [--layers N] [--shard-size 2GB]
 
 Written shard by shard (one shard's tensors in memory at a time, through attnsurg's ShardWriter), so an
@@ -35,6 +35,13 @@ CONFIGS: dict[str, PretrainedConfig] = {
     # meta-llama/Llama-3.1-8B config.json
     "llama-3.1-8b": LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0, "factor": 8.0}, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    # meta-llama/Llama-3.1-70B config.json
+    "llama-3.1-70b": LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0, "factor": 8.0}, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_id=128001,

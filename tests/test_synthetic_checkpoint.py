@@ -14,7 +14,7 @@ spec.loader.exec_module(synthetic)
 
 
 @pytest.mark.parametrize("name,parameters", [("llama-3.2-1b", 1_235_814_400), ("llama-3.1-8b", 8_030_261_248),
-                                             ("qwen2.5-7b", 7_615_616_512)])
+                                             ("qwen2.5-7b", 7_615_616_512), ("llama-3.1-70b", 70_553_706_496)])
 def test_configs_have_the_published_parameter_counts(name, parameters):
     shapes = synthetic.parameter_shapes(synthetic.config_for(name, None, torch.bfloat16), torch.bfloat16)
     assert sum(t.numel() for t in shapes.values()) == parameters

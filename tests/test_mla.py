@@ -22,6 +22,7 @@ from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
 from conftest import build_tiny, with_mean_direction
 
 LLAMA = family_for_surgery("llama")
+QWEN2 = family_for_surgery("qwen2")
 
 
 def converted_error(model, plan, ids, weighted=True, refine_steps=0) -> float:
@@ -39,6 +40,24 @@ def test_full_budget_is_exact_when_one_kv_head_holds_all_rope():
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
     assert converted_error(model, plan, ids) < 1e-4
     assert converted_error(model, plan, ids, refine_steps=10) < 1e-4  # refinement never leaves an exact fit
+
+
+@pytest.mark.parametrize("fmt", ["native", "exact"])
+def test_per_head_no_rope_keys_equal_the_shared_one_with_fewer_parameters(fmt, monkeypatch):
+    """Each head's no-RoPE score read through its own head_dim query rows (``head_nope_keys``) is the score the
+    shared no-RoPE key of the latent's width gives: the same closed form, head_dim wide instead of latent wide."""
+    model = build_tiny("qwen2", 384, num_attention_heads=4, num_key_value_heads=4)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5, format=fmt)
+    assert plan.qk_nope_dim == plan.head_dim < min(plan.nope_key_dim, plan.kv_rank)
+    windows = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
+    per_head = convert(model, QWEN2, windows, plan).model
+    monkeypatch.setattr(mla.MLAPlan, "qk_nope_dim", property(lambda p: min(p.nope_key_dim, p.kv_rank)))
+    shared = convert(model, QWEN2, windows, plan).model
+    assert shared.config.qk_nope_head_dim > per_head.config.qk_nope_head_dim == plan.head_dim
+    assert sum(p.numel() for p in per_head.parameters()) < sum(p.numel() for p in shared.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(per_head(ids).logits, shared(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_refinement_lowers_every_layer_error_and_the_held_out_logit_error():
@@ -427,7 +446,7 @@ def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_
         plan_mla(anatomy, kv_budget=0.5, engine="vllm")
     padded = plan_mla(anatomy, kv_rank=255, rope_dim=64, engine="vllm")
     plain = plan_mla(anatomy, kv_rank=255, rope_dim=64)
-    assert (plain.qk_nope_dim, plain.head_dim) == (128, 64) and padded.written_dims == (128, 128)
+    assert (plain.qk_nope_dim, plain.head_dim) == (64, 64) and padded.written_dims == (64, 128)
     windows = torch.randint(0, 384, (4, 48), generator=torch.Generator().manual_seed(0))
     converted = convert(model, LLAMA, windows, padded).model
     reference = convert(model, LLAMA, windows, plain).model

@@ -153,7 +153,10 @@ class MLAPlan:
 
     @property
     def qk_nope_dim(self) -> int:
-        return min(self.nope_key_dim, self.kv_rank)
+        """Per-head width of the no-RoPE query and key. A head's no-RoPE score is bilinear in its own query
+        (head_dim wide) and the latent (kv_rank wide), so the narrower of the two suffices exactly
+        (``head_nope_keys``, or the QR reduction to the latent), never wider than the unrotated key."""
+        return min(self.head_dim, self.nope_key_dim, self.kv_rank)
 
     @property
     def written_dims(self) -> tuple[int, int]:
@@ -336,6 +339,21 @@ def rope_frequencies(plan: MLAPlan, inv_freq: torch.Tensor) -> list[float]:
     return [float(inv_freq[i]) for i in range(plan.head_dim // 2) for _ in range(plan.counts[i])]
 
 
+def head_nope_keys(B_k: torch.Tensor, bases: list[torch.Tensor], nope: list, G: int, d: int) -> list[torch.Tensor]:
+    """Per KV group g, the no-RoPE key in the group's own head coordinates, [d, r]. Head h's no-RoPE query
+    rows are U_i[j, g] q_{h,i,c} for the no-RoPE components (j, i, c): each is a multiple of one of the head's
+    own d query rows, so q'_h . (B_k c) = q_h . (T_g^T B_k c), T_g[(j,i,c), (i,c)] = U_i[j, g]."""
+    component, position = [], []
+    for n, (j, i, c) in enumerate(nope):
+        component.append(n)
+        position.append(i + c * (d // 2))
+    keys = []
+    for g in range(G):
+        mix = torch.tensor([float(bases[i][j, g]) for j, i, _ in nope], dtype=B_k.dtype)
+        keys.append(B_k.new_zeros(d, B_k.shape[1]).index_add_(0, torch.tensor(position), B_k[component] * mix[:, None]))
+    return keys
+
+
 def latent_factors(M: torch.Tensor, sigma: torch.Tensor, S: torch.Tensor | None, rank: int):
     """Rank-r A, B minimizing E||S^1/2 (z - B A x~)||^2 for z = M x~: weighted PCA of z's second moment."""
     C = M @ sigma @ M.T
@@ -397,16 +415,22 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
     A, B = latent_factors(M, sigma, S, r)
     n_k = plan.nope_key_dim
     B_k, B_v = B[:n_k], B[n_k:]
-    # Reduce the key width to the latent rank: B_k = Q R, so q . (B_k c) = (Q^T q) . (R c).
-    if plan.qk_nope_dim < n_k:
-        Qb, Rb = torch.linalg.qr(B_k)
-        B_k = Rb
-        Q_nope = [Qb.T @ Qh for Qh in Q_nope]
+    if plan.qk_nope_dim == d and d < n_k:
+        # Each head's own query rows against its group's no-RoPE key in head coordinates: exact, head_dim wide.
+        B_ks = head_nope_keys(B_k, bases, nope, G, d)
+        Q_nope = [Wq[h * d : (h + 1) * d] for h in range(H)]
+    else:
+        # Reduce the key width to the latent rank: B_k = Q R, so q . (B_k c) = (Q^T q) . (R c).
+        if plan.qk_nope_dim < n_k:
+            Qb, Rb = torch.linalg.qr(B_k)
+            B_k = Rb
+            Q_nope = [Qb.T @ Qh for Qh in Q_nope]
+        B_ks = [B_k] * G
 
     scale = math.sqrt((plan.qk_nope_dim + R) / d)
     q_proj = torch.cat([torch.cat([Q_nope[h], Q_rope[h]]) for h in range(H)]) * scale
 
-    kv_b = torch.cat([torch.cat([B_k, B_v[(h // group) * d : (h // group + 1) * d]]) for h in range(H)])
+    kv_b = torch.cat([torch.cat([B_ks[h // group], B_v[(h // group) * d : (h // group + 1) * d]]) for h in range(H)])
     if not plan.exact:
         return native_weights(q_proj, A, K_rope, kv_b, sigma, constant_direction(sigma, sigma_first))
     # Latent norm: channel r is a constant C; the RMS is then C / sqrt(r + 1) for every token.

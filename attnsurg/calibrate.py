@@ -197,7 +197,19 @@ def input_statistics(model: nn.Module, modules: list[nn.Module], windows: torch.
     stats = [InputStatistics() for _ in modules]
     with on_device(model, device):
         run_with_input_hooks(model, modules, windows, lambda i, x: stats[i].add(x), starts)
+    check_finite(stats)
     return stats
+
+
+def check_finite(stats: list[InputStatistics], names: list[str] | None = None) -> None:
+    """NaN or infinity in what the model computes on the calibration text is a broken checkpoint (corrupt
+    weights, or a dtype that overflows), never something to decompose."""
+    for index, s in enumerate(stats):
+        if s.moment is not None and not bool(torch.isfinite(s.moment).all()):
+            where = names[index] if names else f"hooked module {index}"
+            raise UserError(f"the model's activations on the calibration text are not finite (NaN or infinity, first "
+                            f"at the input of {where}): its weights are corrupt or overflow their dtype; check it "
+                            "with `attnsurg eval perplexity MODEL`")
 
 
 def causal_mask(length: int) -> torch.Tensor:
@@ -235,6 +247,7 @@ def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked
         finally:
             for handle in handles:
                 handle.remove()
+        check_finite([stats[name] for name in hooked], [f"layer {index} {name}" for name in hooked])
         yield index, layer, [stats[name] for name in hooked]
 
 

@@ -1,3 +1,6 @@
+import shutil
+
+import pytest
 import torch
 
 from attnsurg.calibrate import (
@@ -64,3 +67,24 @@ def test_statistics_over_prompts_see_each_prompt_as_a_model_input_of_its_own():
     expected = sum(s.moment for s in alone) / 80
     torch.testing.assert_close(packed.sigma, expected)
     torch.testing.assert_close(packed.sigma_first, sum(s.first_moment for s in alone) / len(prompts))
+
+
+@pytest.mark.parametrize("command", [["compress", "--method", "svd", "--ratio", "0.5"], ["convert", "--stream"]])
+def test_nan_weights_are_one_line_before_any_decomposition(command, tiny_checkpoints, corpus_file, tmp_path):
+    """A checkpoint whose weights hold NaN is named as broken, not decomposed into NaN factors."""
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    source = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], source)
+    weights = load_file(source / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    weights["model.layers.0.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    result = CliRunner().invoke(app, [command[0], str(source), *command[1:], "--calib-text", str(corpus_file),
+                                      "--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "0",
+                                      "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "not finite" in result.output and "Traceback" not in result.output and not (tmp_path / "out").exists()

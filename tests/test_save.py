@@ -104,3 +104,45 @@ def test_a_local_source_card_gives_base_model_and_license(tmp_path):
     assert base_model_id("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert source_license("smollm2-135m") == "apache-2.0"
     assert base_model_id("org/name") == "org/name" and source_license(str(tmp_path / "none")) is None
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_checkpoints, corpus_file, tmp_path, monkeypatch):
+    """ENOSPC while the weights go out: the command says so in one line, and neither the target nor a staging
+    directory is left behind."""
+    import errno
+
+    from transformers import PreTrainedModel
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", disk_full)
+    result = CliRunner().invoke(app, ["compress", str(tiny_checkpoints["qwen2"]), "--method", "svd", "--ratio", "0.5",
+                                      "--calib-text", str(corpus_file), "--calib-tokens", "256", "--calib-seq-len", "64",
+                                      "--eval-tokens", "0", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "No space left on device" in result.output and "Traceback" not in result.output
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))] == []
+
+
+def test_staging_left_by_a_killed_writer_is_removed_and_a_live_ones_kept(tiny, tmp_path):
+    """kill -9 leaves a staging directory nobody can remove; the next write beside it removes it when its
+    writer's process is gone, and never touches one whose writer still runs."""
+    import os
+    import subprocess
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = tmp_path / f".out.partial-{finished.pid}-abc"
+    live = tmp_path / f".out.partial-{os.getpid()}-def"
+    unnamed = tmp_path / ".out.partial-xyz"
+    for path in (dead, live, unnamed):
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"half")
+    model, tokenizer = tiny
+    write_checkpoint(model, tokenizer, tmp_path / "out", CARD)
+    assert not dead.exists() and live.exists() and unnamed.exists()
+    assert (tmp_path / "out" / "config.json").is_file()

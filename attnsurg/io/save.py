@@ -8,6 +8,7 @@ renamed into place at the end, so a crash never leaves a half-written checkpoint
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -53,14 +54,47 @@ def staged_checkpoint(out: Path, overwrite: bool = False) -> Iterator[Path]:
     out = Path(out)
     check_output_path(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    remove_abandoned_staging(out)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{staging_prefix(out)}{os.getpid()}-"))
     try:
         yield staging
         share_as_umask_allows(staging)
         replace_directory(staging, out)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if exc.errno in WRITE_FAILURES:
+            raise UserError(f"could not write '{out}': {os.strerror(exc.errno)} (nothing was left at that path; "
+                            "free space or choose another output)") from exc
+        raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def staging_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def remove_abandoned_staging(out: Path) -> None:
+    """Staging directories beside ``out`` whose writer is gone (killed with SIGKILL, or the machine went down:
+    nothing ran to remove them) are removed; a live writer's, and any not named with a process id, are left."""
+    for staging in out.parent.glob(f"{staging_prefix(out)}*"):
+        pid = staging.name.removeprefix(staging_prefix(out)).split("-", 1)[0]
+        if staging.is_dir() and pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 def finish_staging(staging: Path, tokenizer, card: CardInfo, extra_files: Mapping[str, str] | None = None) -> None:

@@ -65,6 +65,9 @@ def test_eval_two_models_table_and_json(tiny_checkpoints, corpus_file):
     assert record["results"][0]["ratio"] == 1.0
     strided = json.loads(invoke(*args, "--stride", "64", "--json").stdout)
     assert strided["stride"] == 64 and strided["results"][0]["tokens_scored"] == 511
+    same_words = ["eval", "perplexity", a, b, "--text", corpus_file, "--seq-len", "128", "--tokens", "512", "--device", "cpu"]
+    again = json.loads(invoke(*same_words, "--json").stdout)["results"]  # the names surgery commands use
+    assert [(r["ppl"], r["tokens_scored"]) for r in again] == [(r["ppl"], r["tokens_scored"]) for r in record["results"]]
 
 
 def test_assets_listing(tmp_path, monkeypatch):

@@ -34,11 +34,11 @@ def eval_perplexity(
         typer.Option("--dataset", help="Built-in texts, comma-separated: wiki-sample (default), c4-sample, code-sample, "
                      "technical-sample, multilingual-sample, stories-sample, wikitext2; 'all' for the six samples."),
     ] = None,
-    max_length: Annotated[int, typer.Option("--max-length", help="Window length in tokens.")] = 1024,
+    max_length: Annotated[int, typer.Option("--seq-len", "--max-length", help="Window length in tokens (--max-length: the lm-evaluation-harness name).")] = 1024,
     stride: Annotated[
         Optional[int], typer.Option("--stride", help="Window step; default = max-length (disjoint windows).")
     ] = None,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Use only the first N tokens.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--tokens", "--max-tokens", help="Score only the first N tokens of each text.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")] = 1,
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",

@@ -172,6 +172,13 @@ class InputStatistics:
         self.tokens += xa.shape[0]
         self.windows += first.shape[0]
 
+    def offloaded(self) -> InputStatistics:
+        """The same statistics with their sums moved to the CPU (to keep many layers' without GPU memory)."""
+        for name in ("moment", "first_moment", "abs_sum"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).cpu())
+        return self
+
     @property
     def sigma(self) -> torch.Tensor:
         """E[x~ x~^T], (n+1) x (n+1)."""
@@ -257,4 +264,5 @@ def streamed_input_statistics(reader, config, family: Family, windows: torch.Ten
     """Per layer, the input statistics of the ``hooked`` submodules of each decoder layer over the windows, with
     one layer in memory at a time (``streamed_layers``). Equals ``input_statistics`` on the loaded model."""
     embeddings = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")
-    return [stats for _, _, stats in streamed_layers(reader, config, family, embeddings[windows].float(), hooked, device)]
+    return [[s.offloaded() for s in stats]
+            for _, _, stats in streamed_layers(reader, config, family, embeddings[windows].float(), hooked, device)]

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -234,13 +235,18 @@ def info(accelerator: Accelerator, message: str) -> None:
 
 # ------------------------------------------------------------------------------------ training
 def runs_on_cpu(device: torch.device | None = None) -> bool:
-    return not torch.cuda.is_available() or (device is not None and device.type == "cpu")
+    """No GPU, ``--device cpu``, or ``accelerate launch --cpu``."""
+    forced = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    return forced or not torch.cuda.is_available() or (device is not None and device.type == "cpu")
 
 
 def process_state(device: torch.device | None = None) -> PartialState:
     """This process's place among those ``accelerate launch`` (torchrun) started. accelerate keeps one state
     per process, fixed by whoever creates it first; created here as healing's Accelerator creates it (on the
-    CPU where there is no GPU), so CPU processes form one group whichever asks first."""
+    CPU where there is no GPU), so CPU processes form one group whichever asks first. A single process asked
+    for ``cuda:N`` makes that GPU its current device first, so accelerate trains there."""
+    if device is not None and device.type == "cuda" and device.index is not None and "LOCAL_RANK" not in os.environ:
+        torch.cuda.set_device(device)
     return PartialState(cpu=runs_on_cpu(device))
 
 

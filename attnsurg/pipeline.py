@@ -168,6 +168,29 @@ def parameter_rows(source: PreTrainedModel, result: PreTrainedModel, attention_a
             {"metric": "parameters in all", "before": f"{total_before:,}", "after": f"{total_after:,}"}]
 
 
+GPU_HEADROOM_BYTES = 2 * 1024**3  # activations, the fit's transfers, the allocator's slack
+
+
+def surgery_device(requested: str, anatomy: AttentionAnatomy) -> torch.device:
+    """The device a loaded surgery runs on: the whole source moves there in float32, with every layer's
+    float64 statistics (two (D+1)^2 moments per hooked module, up to two modules per layer). ``auto`` takes the
+    GPU only when that fits its free memory, else the CPU; an explicit GPU that it does not fit is refused."""
+    device = resolve_device(requested)
+    if device.type != "cuda":
+        return device
+    moments = 2 * 2 * anatomy.num_layers * (anatomy.hidden_size + 1) ** 2 * 8
+    needed = anatomy.total_parameters * 4 + moments + GPU_HEADROOM_BYTES
+    free = torch.cuda.mem_get_info(device)[0]
+    if needed <= free:
+        return device
+    if requested == "auto":
+        ui.info(f"the source in float32 and its statistics need {needed / 1e9:.1f} GB, more than the GPU's "
+                f"{free / 1e9:.1f} GB free: calibrating on the CPU (--stream runs one layer at a time on the GPU)")
+        return torch.device("cpu")
+    raise UserError(f"the source in float32 and its statistics need {needed / 1e9:.1f} GB, more than {device}'s "
+                    f"{free / 1e9:.1f} GB free; use --stream (MLA: one layer on the GPU at a time) or --device cpu")
+
+
 @dataclass
 class Surgery:
     """A surgery under way: the source loaded in float32 on the CPU, its tokenizer, calibration windows and
@@ -186,7 +209,7 @@ def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool
     the source (without ``load_weights``: its tokenizer only, for a streamed surgery that scores nothing) and
     cut the calibration windows."""
     check_output_path(request.output, request.overwrite)
-    device = resolve_device(request.device)
+    device = surgery_device(request.device, anatomy) if load_weights else resolve_device(request.device)
     if load_weights:
         fetch_domains(domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens))
     set_seed(request.seed)
@@ -199,27 +222,57 @@ def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool
     return Surgery(family, model, tokenizer, source_windows(tokenizer, request.calibration, anatomy), started, device)
 
 
-OPERATED_DIR = "operated"  # inside the heal state directory: the surgery's result, for the other processes
+OPERATED_DIR = "operated"  # inside the heal state directory: the surgery's result, kept until healing is written
+OPERATED_DONE, OPERATED_FAILED = "operated.done", "operated.failed"
+WAIT_POLL_SECONDS = 2.0
 
 
 def operated_once(operate: Callable[[], PreTrainedModel], request, recipe: Recipe | None) -> PreTrainedModel:
-    """The surgery's result, computed once. Under ``accelerate launch`` (several processes) with a heal step,
-    the main process operates and saves the result beside the output (in the heal state directory, in
-    float32); the others wait for it and load it, instead of each repeating the surgery."""
+    """The surgery's result, computed once per run that heals. With a heal step the result is saved beside
+    the output (``OUT.heal-state/operated``, float32, with the recipe that made it): a heal run started again
+    loads it instead of operating again (a GPU's refinement is not bit-reproducible, and healing resumes only
+    from the same starting weights), and under ``accelerate launch`` only the main process operates while the
+    others wait for its marker file (not a collective barrier, which times out within a long surgery)."""
     state = process_state(resolve_device(request.device))
     recipe = recipe or Recipe.from_request(request)
-    if state.num_processes == 1 or recipe.heal is None:
+    if recipe.heal is None:
         return operate()
     shared = heal_state_dir(request.output) / OPERATED_DIR
-    model = None
+    made_by = dump_recipe(recipe.model_copy(update={"steps": recipe.steps[:1]}))
     if state.is_main_process:
-        model = operate()
-        model.save_pretrained(shared)
+        model = saved_operated(shared, made_by)
+        if model is None:
+            for stale in (OPERATED_DONE, OPERATED_FAILED, RECIPE_FILE):  # a half-saved model never matches
+                (shared / stale).unlink(missing_ok=True)
+            try:
+                model = operate()
+                model.save_pretrained(shared)
+                (shared / RECIPE_FILE).write_text(made_by, encoding="utf-8")
+            except BaseException:
+                shared.mkdir(parents=True, exist_ok=True)
+                (shared / OPERATED_FAILED).touch()
+                raise
+        (shared / OPERATED_DONE).touch()
+        state.wait_for_everyone()
+        return model
+    while (model := saved_operated(shared, made_by, require_done=True)) is None:
+        if (shared / OPERATED_FAILED).exists():
+            raise UserError("the main process's surgery failed (its message says why); nothing was healed")
+        time.sleep(WAIT_POLL_SECONDS)
     state.wait_for_everyone()
-    if model is None:
-        register_attnsurg()
-        model = AutoModelForCausalLM.from_pretrained(shared, dtype=torch.float32).eval()
     return model
+
+
+def saved_operated(shared: Path, made_by: str, require_done: bool = False) -> PreTrainedModel | None:
+    """The operated model saved by this run (an earlier start of it, or the main process), if the same recipe
+    step made it (and, with ``require_done``, the main process has marked it complete for this start)."""
+    recipe_file = shared / RECIPE_FILE
+    if require_done and not (shared / OPERATED_DONE).exists():
+        return None
+    if not recipe_file.is_file() or recipe_file.read_text(encoding="utf-8") != made_by:
+        return None
+    register_attnsurg()
+    return AutoModelForCausalLM.from_pretrained(shared, dtype=torch.float32).eval()
 
 
 def finish_surgery(

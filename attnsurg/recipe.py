@@ -189,7 +189,8 @@ class ApproxRequest(Strict):
     output: Path
     data: TextData = TextData(dataset="wiki-sample", part="calib")
     seq_len: int = Field(1024, gt=1)
-    layers: list[int] | None = None  # None: the first, middle and last layers
+    layers: list[int] | None = Field(default_factory=list, description="Empty: the first, middle and last layers; "
+                                                                        "None: every layer.")
     budgets: list[float] = Field(default_factory=lambda: [1 / 16, 1 / 8, 1 / 4], min_length=1)
     device: str = "auto"
     overwrite: bool = False

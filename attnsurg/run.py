@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
-from attnsurg.heal import HealReport, heal_model, heal_state_dir, remove_heal_state
+from attnsurg.heal import HealReport, heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
@@ -48,7 +48,10 @@ def check_permissions(recipe: Recipe, trust_remote_code: bool, allow_pickle: boo
 def run_recipe(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, device: str = "auto"):
     """Run the recipe's surgery (with its healing), or a heal-only recipe, on ``device`` (auto: a CUDA GPU
     when there is one); returns the command's report."""
-    resolve_device(device)  # a device this machine lacks fails before any work, dry runs included
+    state = process_state(resolve_device(device))  # a device this machine lacks fails before any work
+    if state.num_processes > 1 and recipe.heal is None:
+        raise UserError("several processes (accelerate launch, torchrun) share healing only, and this recipe has no "
+                        "heal step: run it as one process")
     settings = recipe.surgery
     if settings is None:
         return run_heal(recipe, dry_run, overwrite, device)
@@ -80,6 +83,7 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, dev
     settings = recipe.heal
     check_output_path(recipe.output, overwrite)
     compute = resolve_device(device)
+    main = process_state(compute).is_main_process  # before any model moves: each process takes its own GPU
     student_source, student_config, anatomy = inspect_model(recipe.model)
     teacher_source, teacher_config, _ = inspect_model(settings.teacher)
     if student_config.vocab_size != teacher_config.vocab_size:
@@ -96,7 +100,7 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, dev
     student, tokenizer = load_source(recipe.model, student_source)
     teacher, _ = load_source(settings.teacher, teacher_source)
     held_out = None
-    if recipe.eval.tokens:
+    if recipe.eval.tokens and main:
         held_out = scoring_windows(tokenizer, recipe.calibration.data, recipe.eval.tokens, anatomy.max_positions)
         report.ppl_teacher = perplexity_of(teacher, *held_out, "the teacher", compute)
         report.ppl_before = perplexity_of(student, *held_out, "the student", compute)

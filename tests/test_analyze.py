@@ -112,6 +112,8 @@ def test_layers_restrict_the_report_and_bad_ones_are_one_line(tiny_checkpoints, 
     assert bad.exit_code == 2 and "layers 0-1" in bad.output and not (tmp_path / "bad").exists()
     again = CliRunner().invoke(app, [*common, "--layers", "1", "-o", str(tmp_path / "one")])
     assert again.exit_code == 2 and "--overwrite" in again.output
+    backwards = CliRunner().invoke(app, [*common, "--layers", "1-0", "-o", str(tmp_path / "backwards")])
+    assert backwards.exit_code == 2 and "--layers '1-0'" in backwards.output
 
 
 # ------------------------------------------------------------------------------------ analyze approx
@@ -170,6 +172,10 @@ def test_approx_command_writes_a_report_that_validates(tiny_checkpoints, corpus_
     record = json.loads((out / "approx.json").read_text())
     jsonschema.validate(record, json.loads((out / "approx.schema.json").read_text()))
     assert record["budgets"] == [0.125, 0.5] and [layer["index"] for layer in record["layers"]] == [0, 1]
+    every = CliRunner().invoke(app, ["analyze", "approx", str(tiny_checkpoints["llama-gqa"]), "--text", str(corpus_file),
+                                     "--seq-len", "32", "--budgets", "0.5", "--layers", "all", "-o", str(tmp_path / "all"),
+                                     "--json"])
+    assert every.exit_code == 0 and [layer["index"] for layer in json.loads(every.stdout)["layers"]] == [0, 1]
     assert set(record["layers"][0]["errors"]) == {"low rank", "nystrom", "performer", "lsh", "top-k", "loki"}
     assert matplotlib.image.imread(out / "approx.png").shape[0] > 100
     bad = CliRunner().invoke(app, ["analyze", "approx", str(tiny_checkpoints["llama-gqa"]), "--budgets", "2",

@@ -323,3 +323,26 @@ def test_two_processes_convert_once_and_heal_together(tiny_checkpoints, corpus_f
     report = json.loads(result.stdout)
     assert report["heal"]["steps"] == 4 and len(report["layer_errors"]) == 2
     assert (tmp_path / "healed" / "config.json").is_file() and not (tmp_path / "healed.heal-state").exists()
+
+
+def test_a_heal_run_started_again_reuses_the_operated_model(tiny_checkpoints, tmp_path):
+    """The operated model is saved beside the output when healing follows; started again, the run loads it
+    (healing resumes only from the same starting weights), unless the surgery step changed."""
+    from attnsurg import pipeline
+    from attnsurg.recipe import ConvertMLA, HealSettings, ModelRef, Recipe
+
+    request = ConvertMLA(model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), output=tmp_path / "out", kv_budget=0.5)
+    operated = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
+    runs = []
+
+    def operate():
+        runs.append(1)
+        return operated
+
+    recipe = Recipe.from_request(request, heal=HealSettings())
+    first = pipeline.operated_once(operate, request, recipe)
+    again = pipeline.operated_once(operate, request, recipe)
+    assert first is operated and runs == [1] and torch.equal(again.lm_head.weight, operated.lm_head.weight)
+    other = request.model_copy(update={"kv_budget": 0.25})
+    pipeline.operated_once(operate, other, Recipe.from_request(other, heal=HealSettings()))
+    assert runs == [1, 1]

@@ -42,11 +42,11 @@ def test_full_budget_is_exact_when_one_kv_head_holds_all_rope():
     assert converted_error(model, plan, ids, refine_steps=10) < 1e-4  # refinement never leaves an exact fit
 
 
-@pytest.mark.parametrize("fmt", ["native", "exact"])
-def test_per_head_no_rope_keys_equal_the_shared_one_with_fewer_parameters(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,kv_heads", [("native", 6), ("exact", 6), ("native", 3)])
+def test_per_head_no_rope_keys_equal_the_shared_one_with_fewer_parameters(fmt, kv_heads, monkeypatch):
     """Each head's no-RoPE score read through its own head_dim query rows (``head_nope_keys``) is the score the
     shared no-RoPE key of the latent's width gives: the same closed form, head_dim wide instead of latent wide."""
-    model = build_tiny("qwen2", 384, num_attention_heads=4, num_key_value_heads=4)
+    model = build_tiny("qwen2", 384, hidden_size=96, num_attention_heads=6, num_key_value_heads=kv_heads, head_dim=16)
     plan = plan_mla(inspect_config(model.config), kv_budget=0.5, format=fmt)
     assert plan.qk_nope_dim == plan.head_dim < min(plan.nope_key_dim, plan.kv_rank)
     windows = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(1))

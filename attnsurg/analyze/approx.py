@@ -96,12 +96,12 @@ def performer(q, k, v, scale, budget: float, generator: torch.Generator | None =
     w = orthogonal_gaussian(features, q.shape[-1], generator)
     root = math.sqrt(scale)
 
-    def phi(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        projected = (x * root) @ w.T - (x * root).pow(2).sum(-1, keepdim=True) / 2
-        return torch.exp(projected - shift)
+    def exponent(x: torch.Tensor) -> torch.Tensor:  # log of phi, up to the 1/sqrt(m) that cancels
+        return (x * root) @ w.T - (x * root).pow(2).sum(-1, keepdim=True) / 2
 
-    q_features = phi(q, ((q * root) @ w.T).amax(-1, keepdim=True))  # a per-query shift cancels in its row
-    k_features = phi(k, ((k * root) @ w.T).amax())  # one shift for every key cancels too
+    q_exponent, k_exponent = exponent(q), exponent(k)
+    q_features = torch.exp(q_exponent - q_exponent.amax(-1, keepdim=True))  # a per-query shift cancels in its row
+    k_features = torch.exp(k_exponent - k_exponent.amax())  # one shift for every key cancels too
     numerator = torch.einsum("lm,lmd->ld", q_features, torch.einsum("lm,ld->lmd", k_features, v).cumsum(0))
     denominator = (q_features * k_features.cumsum(0)).sum(-1, keepdim=True)
     return numerator / denominator
@@ -114,11 +114,12 @@ def lsh_buckets(x: torch.Tensor, buckets: int, rotation: torch.Tensor) -> torch.
 
 
 def lsh(q, k, v, scale, budget: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Reformer-style bucketing: 1 / budget angular-LSH buckets (rounded up to even), a query attends the
-    earlier keys that share its bucket in any of LSH_ROUNDS hash rounds, and itself. Queries and keys are
-    hashed by the same rotation (Reformer shares them; here they are the model's own Q and K)."""
+    """Reformer-style bucketing: LSH_ROUNDS / budget angular-LSH buckets per round (rounded up to even), so
+    that the union of a query's buckets over the LSH_ROUNDS rounds holds about budget x its context; it
+    attends those earlier keys and itself. Queries and keys are hashed by the same rotation (Reformer shares
+    them; here they are the model's own Q and K)."""
     generator = generator or torch.Generator().manual_seed(0)
-    buckets = max(1, round(1 / budget))
+    buckets = max(1, round(LSH_ROUNDS / budget)) if budget < 1 else 1
     allowed = causal_mask(len(q))
     if buckets > 1:
         buckets += buckets % 2

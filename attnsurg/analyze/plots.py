@@ -98,32 +98,37 @@ def rope_energy_figure(report: AnalysisReport, path: Path) -> Path:
     queries = np.array([layer.query_frequency_energy for layer in report.layers])
     figure, axes = plt.subplots(1, 2, figsize=(13, 4.5), constrained_layout=True)
     for axis, data, title in ((axes[0], keys, "keys"), (axes[1], queries, "queries")):
-        image = axis.imshow(np.log10(np.maximum(data, 1e-8)), aspect="auto", cmap="magma",
-                            extent=(-0.5, data.shape[1] - 0.5, report.layers[-1].index + 0.5, report.layers[0].index - 0.5))
+        image = axis.imshow(np.log10(np.maximum(data, 1e-8)), aspect="auto", cmap="magma")
         axis.set_title(f"{title}: share of energy per RoPE frequency (log10)")
         axis.set_xlabel("frequency index (0 = fastest rotation)")
-        axis.set_ylabel("layer")
+        label_layers(axis, report)
         figure.colorbar(image, ax=axis)
     return save(figure, path)
 
 
 def sparsity_figure(report: AnalysisReport, path: Path) -> Path:
     """Layer x head heatmaps: mass in the top 5% of keys, on the first token, and the entropy ratio."""
-    first, last = report.layers[0].index, report.layers[-1].index
     grids = [("attention mass in the top 5% of keys", lambda h: h.top["5%"]),
              ("attention mass on the first token (sink)", lambda h: h.sink),
              ("entropy / log(context)", lambda h: h.entropy)]
     figure, axes = plt.subplots(1, 3, figsize=(18, 4.8), constrained_layout=True)
     for axis, (title, pick) in zip(axes, grids, strict=True):
         data = np.array([[pick(h) for h in layer.heads] for layer in report.layers])
-        image = axis.imshow(data, aspect="auto", cmap="viridis", vmin=0, vmax=1,
-                            extent=(-0.5, data.shape[1] - 0.5, last + 0.5, first - 0.5))
+        image = axis.imshow(data, aspect="auto", cmap="viridis", vmin=0, vmax=1)
         axis.set_title(title)
         axis.set_xlabel("query head")
-        axis.set_ylabel("layer")
+        label_layers(axis, report)
         figure.colorbar(image, ax=axis)
     figure.suptitle(f"{report.model}: attention sparsity on {report.attention_windows} window(s) of {report.seq_len} tokens")
     return save(figure, path)
+
+
+def label_layers(axis, report: AnalysisReport) -> None:
+    """Heatmap rows are the analysed layers in order, labelled with their indices (they need not be contiguous)."""
+    indices = [layer.index for layer in report.layers]
+    step = max(1, len(indices) // 12)
+    axis.set_yticks(range(0, len(indices), step), labels=[str(i) for i in indices[::step]])
+    axis.set_ylabel("layer")
 
 
 def save(figure, path: Path) -> Path:

@@ -270,7 +270,7 @@ def run_approx(request: ApproxRequest) -> tuple[ApproxReport, list[Path]]:
 
     started = time.perf_counter()
     anatomy, device = check_request(request)
-    layers = default_approx_layers(anatomy.num_layers) if request.layers is None else chosen_layers(request.layers, anatomy.num_layers)
+    layers = default_approx_layers(anatomy.num_layers) if request.layers == [] else chosen_layers(request.layers, anatomy.num_layers)
     with staged_checkpoint(request.output, request.overwrite) as staging:
         loaded = load_for_analysis(request, request.seq_len)
         with on_device(loaded.model, device):

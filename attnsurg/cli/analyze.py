@@ -33,7 +33,10 @@ def parse_layers(value: str) -> list[int] | None:
     try:
         for part in value.split(","):
             first, _, last = part.strip().partition("-")
-            layers.extend(range(int(first), int(last or first) + 1))
+            span = range(int(first), int(last or first) + 1)
+            if not span:
+                raise ValueError(part)
+            layers.extend(span)
     except ValueError:
         raise UserError(f"--layers '{value}': give all, or layer indices and ranges such as 0,4,8-11") from None
     return layers
@@ -170,7 +173,7 @@ def approx(
     dataset: Dataset = "wiki-sample",
     text: TextFile = None,
     seq_len: SeqLen = 1024,
-    layers: Annotated[str, typer.Option("--layers", help="Layers such as 0,4,8-11 (default: first, middle, last).")] = "",
+    layers: Annotated[str, typer.Option("--layers", help="all, or layers such as 0,4,8-11 (default: first, middle, last).")] = "",
     budgets: Annotated[str, typer.Option("--budgets", help="Shares of exact attention's cost.")] = "1/16,1/8,1/4",
     device: Device = "auto",
     overwrite: Overwrite = False,
@@ -184,7 +187,7 @@ def approx(
 
     request = ApproxRequest(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle), output=output,
-        data=text_data(dataset, text), seq_len=seq_len, layers=parse_layers(layers) if layers else None,
+        data=text_data(dataset, text), seq_len=seq_len, layers=parse_layers(layers) if layers else [],
         budgets=parse_budgets(budgets), device=device, overwrite=overwrite)
     report, files = run_approx(request)
     if json_output:

@@ -174,6 +174,9 @@ def resolve_device(device: str) -> torch.device:
         raise UserError(f"unknown device '{device}'; use auto, cpu, cuda or cuda:N")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device '{device}' requested but no CUDA GPU is available; use --device cpu")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise UserError(f"device '{device}' requested but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return resolved
 
 

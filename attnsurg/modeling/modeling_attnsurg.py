@@ -383,14 +383,16 @@ class LokiAttention(AttentionBase):
         keep = self.keep_counts(context)
         if bool((keep == context).all()):
             return allowed
-        approx = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
+        approx = query[..., :rank].float() @ key[..., :rank].float().transpose(-1, -2)  # float32: fewer ties in bf16
         approx = approx.masked_fill(~allowed, float("-inf"))
         current = torch.arange(length, device=query.device)
         approx[..., current, positions] = torch.where(allowed[..., current, positions], float("inf"), float("-inf"))
-        # The keep-th largest score of each row is its threshold (ties at it are all kept): a partial top-k
-        # instead of a full sort of every row.
-        threshold = approx.topk(int(keep.max()), dim=-1).values.gather(-1, (keep - 1).clamp_min(0).unsqueeze(-1))
-        return (approx >= threshold) & allowed
+        # A partial top-k of the largest count any row keeps, then each row keeps its own first ``keep`` of it:
+        # exactly keep keys per query (ties broken as topk breaks them), without a full sort of every row.
+        most = int(keep.max())
+        best = approx.topk(most, dim=-1).indices
+        kept = torch.arange(most, device=query.device) < keep.unsqueeze(-1)
+        return torch.zeros_like(allowed).scatter(-1, best, kept) & allowed
 
     def forward(
         self,

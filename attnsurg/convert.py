@@ -100,7 +100,7 @@ def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
 def plan_request(request: ConvertMLA):
     source, _, anatomy = inspect_model(request.model)
     plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim, request.rope_layout, request.format,
-                    request.engine)
+                    request.engine, request.nope_width)
     return source, anatomy, plan
 
 

@@ -250,6 +250,7 @@ class MLASettings(Strict):
     rope_layout: Literal["standard", "flexible"] = "standard"
     format: Literal["native", "exact"] = "native"
     engine: Literal["transformers", "llama.cpp", "vllm", "sglang"] | None = None  # refuse what it would not run
+    nope_width: Literal["latent", "head"] = "latent"  # head: head_dim-wide no-RoPE heads (fewer parameters)
     weighted: bool = True
     refine_steps: int = Field(40, ge=0)
     refine_tokens: int | None = Field(None, gt=0)  # None: the first 2048 calibration tokens, or all when fewer

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,17 +44,16 @@ def test_full_budget_is_exact_when_one_kv_head_holds_all_rope():
 
 
 @pytest.mark.parametrize("fmt,kv_heads", [("native", 6), ("exact", 6), ("native", 3)])
-def test_per_head_no_rope_keys_equal_the_shared_one_with_fewer_parameters(fmt, kv_heads, monkeypatch):
+def test_per_head_no_rope_keys_equal_the_shared_one_with_fewer_parameters(fmt, kv_heads):
     """Each head's no-RoPE score read through its own head_dim query rows (``head_nope_keys``) is the score the
     shared no-RoPE key of the latent's width gives: the same closed form, head_dim wide instead of latent wide."""
     model = build_tiny("qwen2", 384, hidden_size=96, num_attention_heads=6, num_key_value_heads=kv_heads, head_dim=16)
-    plan = plan_mla(inspect_config(model.config), kv_budget=0.5, format=fmt)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5, format=fmt, nope_width="head")
     assert plan.qk_nope_dim == plan.head_dim < min(plan.nope_key_dim, plan.kv_rank)
     windows = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(1))
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
     per_head = convert(model, QWEN2, windows, plan).model
-    monkeypatch.setattr(mla.MLAPlan, "qk_nope_dim", property(lambda p: min(p.nope_key_dim, p.kv_rank)))
-    shared = convert(model, QWEN2, windows, plan).model
+    shared = convert(model, QWEN2, windows, replace(plan, nope_width="latent")).model
     assert shared.config.qk_nope_head_dim > per_head.config.qk_nope_head_dim == plan.head_dim
     assert sum(p.numel() for p in per_head.parameters()) < sum(p.numel() for p in shared.parameters())
     with torch.no_grad():
@@ -446,7 +446,7 @@ def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_
         plan_mla(anatomy, kv_budget=0.5, engine="vllm")
     padded = plan_mla(anatomy, kv_rank=255, rope_dim=64, engine="vllm")
     plain = plan_mla(anatomy, kv_rank=255, rope_dim=64)
-    assert (plain.qk_nope_dim, plain.head_dim) == (64, 64) and padded.written_dims == (64, 128)
+    assert (plain.qk_nope_dim, plain.head_dim) == (128, 64) and padded.written_dims == (128, 128)
     windows = torch.randint(0, 384, (4, 48), generator=torch.Generator().manual_seed(0))
     converted = convert(model, LLAMA, windows, padded).model
     reference = convert(model, LLAMA, windows, plain).model

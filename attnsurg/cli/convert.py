@@ -52,6 +52,12 @@ def convert(
         typer.Option("--format", help="native (no biases, the latent norm fitted: llama.cpp, vLLM, SGLang, transformers) "
                      "or exact (full budget reproduces the source; transformers only)."),
     ] = "native",
+    nope_width: Annotated[
+        str,
+        typer.Option("--nope-width", help="latent (default: each head's no-RoPE query and key as wide as the latent, "
+                     "headroom refinement uses) or head (head_dim wide: the same closed form, far fewer parameters, "
+                     "e.g. Llama-3.1-8B at 0.5: 62M instead of 185M attention parameters per layer)."),
+    ] = "latent",
     engine: Annotated[
         Optional[str],
         typer.Option("--engine", help="transformers, llama.cpp, vllm or sglang: refuse, with the reason, a plan that "
@@ -112,6 +118,7 @@ def convert(
         rope_layout=rope_layout,
         format=format,
         engine=engine,
+        nope_width=nope_width,
         weighted=weighted,
         refine_steps=refine_steps,
         refine_tokens=refine_tokens,

@@ -50,6 +50,19 @@ def supported_names() -> str:
     return ", ".join(f"{f.label} ({f.model_type})" for f in SURGERY_FAMILIES.values())
 
 
+LAYOUT_FEATURES = {"phi3": "a fused qkv projection", "gemma2": "attention logit soft-capping"}  # not in the anatomy
+
+
+def blocking_features(anatomy) -> str:
+    """What in an unsupported family's attention attnsurg does not handle yet, in words."""
+    features = [LAYOUT_FEATURES[anatomy.model_type]] if anatomy.model_type in LAYOUT_FEATURES else []
+    if anatomy.qk_norm:
+        features.append("per-head q/k norms")
+    if anatomy.sliding_window:
+        features.append(f"sliding-window layers ({anatomy.sliding_layers} of {anatomy.num_layers})")
+    return ", ".join(features) or "its attention module layout"
+
+
 def family_for_surgery(model_type: str) -> Family:
     """The adapter for a model that a surgery method will modify; a clear error otherwise."""
     family = SURGERY_FAMILIES.get(model_type)

@@ -6,6 +6,7 @@ import json
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from attnsurg.cli.common import (
@@ -16,19 +17,28 @@ from attnsurg.cli.common import (
     out,
     user_errors,
 )
+from attnsurg.errors import UserError
 
 
 @app.command()
 @user_errors
 def info(
-    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
+    model: Annotated[str | None, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")] = None,
+    methods: Annotated[bool, typer.Option("--methods", metavar="", help="Print the support matrix: each family "
+                                          "users bring against every method (no MODEL needed).")] = False,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Print a model's attention anatomy and which attnsurg methods support it."""
+    """Print a model's attention anatomy and which attnsurg methods support it (--methods: for every family)."""
     from attnsurg.info import describe
     from attnsurg.recipe import InfoRequest, ModelRef
+
+    if methods:
+        print_support_matrix(json_output)
+        return
+    if model is None:
+        raise UserError("missing MODEL: a checkpoint directory, .gguf file, hub id or built-in name (or --methods)")
 
     request = InfoRequest(model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle))
     record = describe(request)
@@ -110,3 +120,34 @@ def methods_cell(methods: dict[str, str | None]) -> str:
     if not methods:
         return "none installed"
     return "\n".join(f"{n}: " + ("[green]yes[/]" if why is None else f"[yellow]no[/] ({why})") for n, why in methods.items())
+
+
+def print_support_matrix(json_output: bool) -> None:
+    from attnsurg.arch.coverage import support_matrix
+
+    matrix = support_matrix()
+    if json_output:
+        print(json.dumps(matrix, indent=2))
+        return
+    methods = list(next(iter(matrix.values())))
+    table = Table(title="What each method does with each family at full budget (exact: reproduces the logits)",
+                  title_justify="left")
+    table.add_column("family")
+    for name in methods:
+        table.add_column(name)
+    notes = {}
+    for family, row in matrix.items():
+        cells = []
+        for name in methods:
+            value = row[name]
+            if value.startswith("refused: "):
+                notes.setdefault(value.removeprefix("refused: "), []).append(name)
+                cells.append("refused")
+            else:
+                cells.append("exact" if value == "exact" else "exact*")
+                if value != "exact":
+                    notes.setdefault(f"* {name}: {value}", [])
+        table.add_row(family, *cells)
+    out.print(table)
+    for note, refusing in notes.items():
+        out.print(escape(note if not refusing else f"{', '.join(refusing)}: {note}"), highlight=False)

@@ -18,6 +18,7 @@ class MethodSpec:
     name: str
     summary: str
     unsupported_reason: Callable[[AttentionAnatomy], str | None]
+    full_budget: str = "exact"  # what a full budget gives where the method applies: exact, or how it is fitted
 
 
 METHODS: dict[str, MethodSpec] = {}

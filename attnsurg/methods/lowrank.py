@@ -32,7 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import SURGERY_FAMILIES, Family
+from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
@@ -46,7 +46,7 @@ ALLOCATION_FLOOR = 0.75
 
 def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
     if anatomy.model_type not in SURGERY_FAMILIES:
-        return f"model type '{anatomy.model_type}' is not a supported family"
+        return f"the {anatomy.model_type} family is not supported yet ({blocking_features(anatomy)})"
     return None
 
 

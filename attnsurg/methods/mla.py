@@ -58,7 +58,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.arch.families import Family, blocking_features, family_for_surgery
 from attnsurg.calibrate import additive_mask, input_statistics, prompt_layout
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
@@ -86,7 +86,7 @@ SUPPORTED_ROPE = ("default", "llama3")
 
 def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
     if anatomy.model_type not in ("llama", "mistral", "qwen2"):
-        return "only Llama, Mistral and Qwen2 families"
+        return f"the {anatomy.model_type} family is not supported yet ({blocking_features(anatomy)})"
     if anatomy.sliding_window:
         return "sliding-window attention cannot be expressed as MLA"
     if anatomy.qk_norm:
@@ -96,7 +96,8 @@ def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
     return None
 
 
-register(MethodSpec("mla", "GQA/MHA -> DeepSeek-style latent attention (DeepseekV3 checkpoint)", unsupported_reason))
+register(MethodSpec("mla", "GQA/MHA -> DeepSeek-style latent attention (DeepseekV3 checkpoint)", unsupported_reason,
+                    full_budget="exact with --format exact --rope-layout flexible; native fitted"))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,30 @@
+"""The support matrix is generated from the registry, and every refusal names what blocks it."""
+
+import json
+
+from typer.testing import CliRunner
+
+from attnsurg.arch.coverage import FAMILY_CONFIGS, support_matrix
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.cli import app
+
+
+def test_supported_families_are_exact_and_refusals_name_the_feature():
+    matrix = support_matrix()
+    assert set(matrix) == set(FAMILY_CONFIGS)
+    for family in ("Llama 2 / SmolLM (llama)", "Llama 3.x (llama3 RoPE scaling)", "Mistral", "Qwen2 / Qwen2.5 (q/k/v biases)"):
+        row = matrix[family]
+        assert all(row[m] == "exact" for m in row if m != "mla") and row["mla"].startswith("exact with --format exact")
+        family_for_surgery(FAMILY_CONFIGS[family]().model_type)  # a surgery adapter exists for it
+    blocked = {"Qwen3 (q/k norms)": "q/k norms", "Gemma 2 (sliding layers, soft-capping)": "soft-capping",
+               "Gemma 3 (q/k norms, sliding layers)": "sliding-window", "Phi-3 (fused qkv)": "fused qkv"}
+    for family, feature in blocked.items():
+        assert all(cell.startswith("refused: ") and feature in cell for cell in matrix[family].values()), matrix[family]
+
+
+def test_info_methods_prints_the_matrix_without_a_model():
+    table = CliRunner().invoke(app, ["info", "--methods"])
+    assert table.exit_code == 0 and "Qwen3" in table.stdout and "refused" in table.stdout
+    assert json.loads(CliRunner().invoke(app, ["info", "--methods", "--json"]).stdout) == support_matrix()
+    missing = CliRunner().invoke(app, ["info"])
+    assert missing.exit_code == 2 and "missing MODEL" in missing.output

@@ -65,7 +65,8 @@ def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{name}:{mark.line + 1}" if mark else name
-        raise UserError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        detail = " ".join(str(getattr(exc, "problem", None) or exc).split())  # the reader's errors span lines
+        raise UserError(f"{where}: not valid YAML ({detail})") from None
     if not isinstance(data, dict):
         raise UserError(f"{name}: a recipe is a YAML mapping (model:, output:, steps:, ...)")
     try:
@@ -135,9 +136,15 @@ def value_at(data, loc: tuple):
 
 
 def format_loc(loc: tuple) -> str:
+    """``steps[0].convert.kv_budget``; a key that is not a plain name is quoted (``convert['a b']``)."""
     text = ""
     for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif not str(part).isidentifier():
+            text += f"[{str(part)!r}]"
+        else:
+            text += f".{part}" if text else str(part)
     return text
 
 

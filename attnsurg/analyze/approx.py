@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from attnsurg.analyze.sparsity import attention_probabilities
+
 BUDGETS = (1 / 16, 1 / 8, 1 / 4)
 LSH_ROUNDS = 2  # hash rounds whose buckets a query may attend in (Reformer, sec. 3)
 LOKI_RANK_SHARE = 1 / 4  # Loki scores keys with this share of the head dim
@@ -22,20 +24,14 @@ def causal_mask(length: int) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool).tril()
 
 
-def causal_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T s) over the keys each query may see, [L, L]."""
-    scores = (q @ k.T) * scale
-    return torch.softmax(scores.masked_fill(~causal_mask(len(q)), float("-inf")), dim=-1)
-
-
 def exact_attention(q, k, v, scale) -> torch.Tensor:
-    return causal_probabilities(q, k, scale) @ v
+    return attention_probabilities(q, k, scale) @ v
 
 
 def low_rank(q, k, v, scale, budget: float, generator=None) -> torch.Tensor:
     """The best rank-r approximation of the attention matrix (Eckart-Young; the bound Linformer-style
     projections aim at), r = budget x L."""
-    probabilities = causal_probabilities(q, k, scale)
+    probabilities = attention_probabilities(q, k, scale)
     rank = max(1, round(budget * len(q)))
     u, s, vh = torch.linalg.svd(probabilities)
     return (u[:, :rank] * s[:rank]) @ (vh[:rank] @ v)

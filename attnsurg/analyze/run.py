@@ -193,22 +193,32 @@ class Loaded:
     windows: torch.Tensor
 
 
-def load_for_analysis(request: AnalyzeRequest | ApproxRequest, tokens: int) -> Loaded:
+@dataclass
+class Checked:
+    """What a request resolved to before anything loads."""
+
+    source: object
+    anatomy: AttentionAnatomy
+    family: Family
+    device: torch.device
+
+
+def check_request(request: AnalyzeRequest | ApproxRequest) -> Checked:
+    """Everything that can be refused before loading: the model, its family, the layers, the device."""
     source, _, anatomy = inspect_model(request.model)
     family = family_for_surgery(anatomy.model_type)  # the families whose attention layout the capture reads
+    chosen_layers(request.layers, anatomy.num_layers)
+    return Checked(source, anatomy, family, resolve_device(request.device))
+
+
+def load_for_analysis(request: AnalyzeRequest | ApproxRequest, checked: Checked, tokens: int) -> Loaded:
+    source, anatomy = checked.source, checked.anatomy
     with ui.status(f"Loading {request.model.ref}..."):
         model = load_model(source, torch.float32, "cpu", request.model.trust_remote_code, request.model.allow_pickle)
         tokenizer = load_tokenizer(source, request.model.trust_remote_code)
     seq_len = min(request.seq_len, anatomy.max_positions or request.seq_len)
-    return Loaded(model, anatomy, family, calibration_windows(tokenizer, request.data, max(tokens, seq_len), seq_len))
-
-
-def check_request(request: AnalyzeRequest | ApproxRequest) -> tuple[AttentionAnatomy, torch.device]:
-    """Everything that can be refused before loading: the model, its family, the layers, the device."""
-    _, _, anatomy = inspect_model(request.model)
-    family_for_surgery(anatomy.model_type)
-    chosen_layers(request.layers, anatomy.num_layers)
-    return anatomy, resolve_device(request.device)
+    return Loaded(model, anatomy, checked.family,
+                  calibration_windows(tokenizer, request.data, max(tokens, seq_len), seq_len))
 
 
 def run_analysis(request: AnalyzeRequest) -> tuple[AnalysisReport, list[Path]]:
@@ -216,10 +226,11 @@ def run_analysis(request: AnalyzeRequest) -> tuple[AnalysisReport, list[Path]]:
     from attnsurg.analyze.plots import write_plots
 
     started = time.perf_counter()
-    anatomy, device = check_request(request)
+    checked = check_request(request)
+    anatomy, device = checked.anatomy, checked.device
     layers = chosen_layers(request.layers, anatomy.num_layers)
     with staged_checkpoint(request.output, request.overwrite) as staging:
-        loaded = load_for_analysis(request, request.tokens)
+        loaded = load_for_analysis(request, checked, request.tokens)
         with on_device(loaded.model, device):
             analysed = analyze_layers(loaded.model, loaded.family, anatomy, loaded.windows, layers,
                                       request.attention_windows)
@@ -269,10 +280,11 @@ def run_approx(request: ApproxRequest) -> tuple[ApproxReport, list[Path]]:
     from attnsurg.analyze.plots import approx_figure
 
     started = time.perf_counter()
-    anatomy, device = check_request(request)
+    checked = check_request(request)
+    anatomy, device = checked.anatomy, checked.device
     layers = default_approx_layers(anatomy.num_layers) if request.layers == [] else chosen_layers(request.layers, anatomy.num_layers)
     with staged_checkpoint(request.output, request.overwrite) as staging:
-        loaded = load_for_analysis(request, request.seq_len)
+        loaded = load_for_analysis(request, checked, request.seq_len)
         with on_device(loaded.model, device):
             captured = captured_heads(loaded, layers)
         results = []

@@ -10,10 +10,10 @@ MIN_CONTEXT = 16  # queries that see fewer keys say little about sparsity (their
 
 
 def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention [H, L, L] from post-RoPE queries [H, L, d] and keys [H, L, d] (keys already
-    repeated to the query heads), in float32."""
-    length = query.shape[1]
-    scores = (query.float() @ key.float().transpose(-1, -2)) * scale
+    """Causal softmax attention [..., L, L] from post-RoPE queries [..., L, d] and keys [..., L, d] (keys already
+    repeated to the query heads), in the inputs' dtype."""
+    length = query.shape[-2]
+    scores = (query @ key.transpose(-1, -2)) * scale
     future = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
     return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
 

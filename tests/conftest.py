@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Llama / Mistral / Qwen2 checkpoints with a real byte-level BPE tokenizer.
+"""Shared fixtures: tiny random Llama / Mistral / Qwen2 / Qwen3 checkpoints with a real byte-level BPE tokenizer.
 
 Nothing here downloads anything; tests that need the real demo assets use the ``demo_model`` and
 ``wiki_text`` fixtures, which skip with the reason when the fetch is impossible.
@@ -17,6 +17,7 @@ from transformers import (
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from attnsurg.errors import UserError
@@ -57,6 +58,8 @@ def tiny_config(family: str, vocab_size: int, **overrides):
         return MistralConfig(**{"sliding_window": None, **settings})
     if family == "qwen2":
         return Qwen2Config(**settings)
+    if family == "qwen3":  # per-head q/k RMSNorms
+        return Qwen3Config(**settings)
     raise ValueError(family)
 
 
@@ -80,6 +83,8 @@ def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
                 p.mul_(4.0)
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # norms that are not the identity
+                p.uniform_(0.5, 2.0)
     return model
 
 

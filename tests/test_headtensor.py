@@ -29,6 +29,7 @@ def decomposed(model, family: str, stats, **plan_args):
         ("llama", "q,o", (4, 16, 64)),  # 4 heads x 16 dims x hidden 64
         ("llama", "k,v", (2, 16, 32)),  # 2 KV heads: the hidden mode has rank at most 2 x 16
         ("qwen2", "q,k", None),  # with biases; ranks per target below
+        ("qwen3", "q,k", None),  # q/k norms after the decomposed projections
     ],
 )
 def test_full_tucker_ranks_reproduce_the_logits(family, targets, ranks):
@@ -166,16 +167,16 @@ def test_cli_tucker_dry_run_names_the_modes(tiny_checkpoints):
     assert record["plan"][0]["q"] == [4, 8, 32] and record["written"] is None
 
 
-@pytest.mark.parametrize("method, ranks", [("cp", (8,)), ("tucker", (2, 12, 8))])
-def test_narrow_kv_factors_are_what_the_cache_holds(method, ranks):
+@pytest.mark.parametrize("method, ranks, family", [("cp", (8,), "qwen2"), ("tucker", (2, 12, 8), "qwen2"), ("tucker", (2, 12, 8), "qwen3")])
+def test_narrow_kv_factors_are_what_the_cache_holds(method, ranks, family):
     """k and v with hidden ranks 8 + 8 < 2 x 2 x 16: the cache holds 16 values per token, and decoding
     with it gives the same tokens as recomputing from scratch."""
     from transformers import DynamicCache
 
     from attnsurg.modeling.modeling_attnsurg import FactoredKVAttention
 
-    model = build_tiny("qwen2", VOCAB, num_key_value_heads=2)
-    result = decomposed(model, "qwen2", calibration(model, "qwen2"), method=method, targets="k,v", ranks=ranks)
+    model = build_tiny(family, VOCAB, num_key_value_heads=2)
+    result = decomposed(model, family, calibration(model, family), method=method, targets="k,v", ranks=ranks)
     compressed = result.model
     assert isinstance(compressed.model.layers[0].self_attn, FactoredKVAttention)
     assert result.plan.kv_values_after() == 2 * 16

@@ -39,7 +39,7 @@ def test_explained_variance_picks_per_layer_ranks_that_grow_with_the_threshold()
     assert layer_ranks(full) == [16, 16] and logit_error(full, model, held_out()) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("top_k", [1.0, 1000])
 def test_full_rank_and_every_key_reproduce_the_logits(family, top_k):
     model = build_tiny(family, VOCAB, num_key_value_heads=2)
@@ -70,8 +70,9 @@ def test_post_rope_basis_is_orthonormal_and_differs_from_pre_rope():
     assert not torch.allclose(post.abs(), pre.abs(), atol=1e-2)
 
 
-def test_decode_with_the_cache_matches_prefill_recomputation():
-    model = loki_model(build_tiny("qwen2", VOCAB, num_key_value_heads=2), "qwen2", 4, 8)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_decode_with_the_cache_matches_prefill_recomputation(family):
+    model = loki_model(build_tiny(family, VOCAB, num_key_value_heads=2), family, 4, 8)
     assert greedy_decode_matches_recomputation(model, held_out()[:1, :8], 20)
 
 

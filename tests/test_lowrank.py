@@ -58,6 +58,9 @@ def logit_error(a, b, ids, reduce="max") -> float:
         ("llama", 2, "k,v", 64, True),  # joint latent of [K; V], 64 rows
         ("qwen2", 2, "k,v", 64, True),  # with k/v biases
         ("qwen2", 2, "q,o", 64, False),
+        ("qwen3", 2, "q,o", 64, False),  # q/k norms after the factorized projections
+        ("qwen3", 2, "k,v", 32, False),
+        ("qwen3", 2, "k,v", 64, True),  # the latent's rebuilt keys go through the key norm
     ],
 )
 def test_full_rank_reproduces_the_logits(method, family, kv_heads, targets, rank, kv_latent):
@@ -151,9 +154,10 @@ def test_allocation_minimizes_the_summed_relative_error_within_the_budget():
     assert len(set(ranks)) > 1 and all(r >= f for r, f in zip(ranks, floors))
 
 
-def test_latent_cache_decode_matches_recomputation():
-    model = build_tiny("qwen2", VOCAB, num_key_value_heads=2)
-    result = compressed(model, "qwen2", calibration(model, "qwen2"), method="svdllm", targets="k,v", ratio=0.5, kv_latent=True)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_latent_cache_decode_matches_recomputation(family):
+    model = build_tiny(family, VOCAB, num_key_value_heads=2)
+    result = compressed(model, family, calibration(model, family), method="svdllm", targets="k,v", ratio=0.5, kv_latent=True)
     assert greedy_decode_matches_recomputation(result, held_out()[:1, :8], 20)
 
 
@@ -235,6 +239,24 @@ def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
     write_checkpoint(result, None, tmp_path / "out", CardInfo(title="t", summary="s"))
     reloaded = load_model(resolve_source(str(tmp_path / "out")))
     assert logit_error(result, reloaded, held_out()) == 0.0
+
+
+def test_qwen3_latent_checkpoint_reloads_equal_with_and_without_remote_code(tokenizer, tmp_path):
+    """Qwen3's q/k norms are part of the written attention: the reloaded model (attnsurg's loader and the copied
+    modeling file alike) gives the in-memory model's logits."""
+    from attnsurg.io.card import CardInfo
+    from attnsurg.io.save import write_checkpoint
+    from attnsurg.modeling import MODELING_FILE
+
+    source = build_tiny("qwen3", VOCAB, num_key_value_heads=2)
+    result = compressed(source, "qwen3", calibration(source, "qwen3"), method="svdllm", targets="k,v", ratio=0.5, kv_latent=True)
+    write_checkpoint(result, tokenizer, tmp_path / "out", CardInfo(title="t", summary="s"),
+                     extra_files={MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")})
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "attnsurg_qwen3"
+    reloaded = load_model(resolve_source(str(tmp_path / "out")))
+    assert reloaded.model.layers[0].self_attn.k_norm is not None
+    assert logit_error(result, reloaded, held_out()) == 0.0
+    assert remote_code_matches_attnsurg(tmp_path / "out", tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ def stacked(model, family: str, stats, **plan_args):
     return compress_stacked_tucker(model, family_for_surgery(family), stats, plan)
 
 
-@pytest.mark.parametrize("family, kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2), ("mistral", 2)])
+@pytest.mark.parametrize("family, kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2), ("mistral", 2), ("qwen3", 2)])
 def test_full_ranks_reproduce_the_logits(family, kv_heads):
     model = build_tiny(family, VOCAB, num_key_value_heads=kv_heads)
     result = stacked(model, family, calibration(model, family), ranks=(16, 64))  # head_dim 16, hidden 64
@@ -67,13 +67,14 @@ def test_factors_are_shared_across_heads_and_projections():
                       "core_v": (2, 8, 24), "core_o": (4, 8, 24), "q_bias": (64,), "k_bias": (32,), "v_bias": (32,)}
 
 
-def test_narrow_hidden_rank_is_what_the_cache_holds():
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_narrow_hidden_rank_is_what_the_cache_holds(family):
     """Hidden rank 24 < 2 G d = 64: the cache holds 24 values per token and per layer, and decoding with it
     gives the tokens that recomputing from scratch gives."""
     from transformers import DynamicCache
 
-    model = build_tiny("qwen2", VOCAB, num_key_value_heads=2)
-    compressed = stacked(model, "qwen2", calibration(model, "qwen2"), ranks=(16, 24)).model
+    model = build_tiny(family, VOCAB, num_key_value_heads=2)
+    compressed = stacked(model, family, calibration(model, family), ranks=(16, 24)).model
     assert inspect_config(compressed.config).kv_values_per_token == 2 * 24
     cache = DynamicCache(config=compressed.config)
     with torch.no_grad():

@@ -37,6 +37,7 @@ SURGERY_FAMILIES: dict[str, Family] = {
         Family("llama", "Llama / SmolLM"),
         Family("mistral", "Mistral"),
         Family("qwen2", "Qwen2"),
+        Family("qwen3", "Qwen3"),
     )
 }
 

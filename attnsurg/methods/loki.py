@@ -5,7 +5,8 @@ Per layer and KV head, the keys' principal directions come from calibration stat
 second moment is K = [W_k b_k] E[x~ x~^T] [W_k b_k]^T (streamed in float64), and RoPE rotates a key at
 position p by R_p, so the post-RoPE second moment over a window of L positions is E_p[R_p K R_p^T]
 (computed exactly with lowrank.rotation_average, assuming a key's content does not depend on its
-position). ``--basis pre-rope`` uses the eigenvectors of K itself, as the paper's pre-rotary variant.
+position; through a q/k norm, as in Qwen3, K is the normed keys' moment linearised at their mean square,
+lowrank.attention_moments). ``--basis pre-rope`` uses the eigenvectors of K itself, as the paper's pre-rotary variant.
 The bases go into the checkpoint; the weights are unchanged, so with R = head_dim and every key kept the
 model is the original.
 """
@@ -23,7 +24,7 @@ from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
 from attnsurg.methods.factorized import assemble_factorized
-from attnsurg.methods.lowrank import head_moments, rotation_average, unsupported_reason
+from attnsurg.methods.lowrank import attention_moments, rotation_average, unsupported_reason
 
 NAME = "loki"
 SUMMARY = "top-k attention with keys scored by their first R principal coordinates (Loki)"
@@ -104,7 +105,7 @@ def key_bases(
     the energies (eigenvalues of the key second moment), largest first."""
     bases, energies = [], []
     positions = torch.arange(seq_len, dtype=torch.float64)
-    for K in head_moments(attn.k_proj.weight, attn.k_proj.bias, x.sigma, kv_heads):
+    for K in attention_moments(attn, "k", x.sigma, kv_heads):
         if basis == "post-rope":  # R_p K R_p^T = R_{-p}^T K R_{-p}
             K = rotation_average(K, inv_freq, -positions, torch.ones_like(positions))
         eigenvalues, eigenvectors = torch.linalg.eigh(K)

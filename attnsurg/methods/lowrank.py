@@ -255,6 +255,31 @@ def head_moments(weight: torch.Tensor, bias: torch.Tensor | None, sigma: torch.T
     return [Wa[h * d : (h + 1) * d] @ sigma @ Wa[h * d : (h + 1) * d].T for h in range(heads)]
 
 
+def norm_scale(attn, projection: str) -> torch.Tensor | None:
+    """The per-dimension weight of the attention's RMSNorm on each query or key head (``q_norm``/``k_norm``,
+    Qwen3), or None where the family has none."""
+    norm = getattr(attn, f"{projection}_norm", None)
+    return None if norm is None else norm.weight.detach().double()
+
+
+def attention_moments(attn, projection: str, sigma: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """Per head, the second moment of the queries or keys attention scores with (before RoPE). Through a
+    q/k RMSNorm n(y) = g * y / rms(y) it is linearised at the head's mean square:
+    E[n(y) n(y)^T] ~ diag(g) E[y y^T] diag(g) / E[rms(y)^2] (exact when every token's rms is the same)."""
+    linear = getattr(attn, f"{projection}_proj")
+    moments = head_moments(linear.weight, linear.bias, sigma, heads)
+    gain = norm_scale(attn, projection)
+    if gain is None:
+        return moments
+    return [gain[:, None] * M * gain[None] / (M.trace() / M.shape[0]).clamp_min(1e-30) for M in moments]
+
+
+def through_norm_jacobian(weight: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
+    """A consumer weight on a q/k norm's output pulled back to its input: J^T W J with J ~ diag(g) / rms (the
+    norm's Jacobian without its radial part; the scale 1/rms is left out, each block is rescaled anyway)."""
+    return weight if gain is None else gain[:, None] * weight * gain[None]
+
+
 def block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
     return torch.block_diag(*blocks)
 
@@ -272,20 +297,25 @@ class LayerContext:
     seq_len: int
 
     def key_weight(self) -> torch.Tensor:
-        """Gd x Gd: per KV head, the rotation-averaged second moment of the queries that read it."""
-        q = head_moments(self.attn.q_proj.weight, self.attn.q_proj.bias, self.x.sigma, self.heads)
+        """Gd x Gd: per KV head, the rotation-averaged second moment of the queries that read it (through
+        the key norm's Jacobian where the family has q/k norms)."""
+        q = attention_moments(self.attn, "q", self.x.sigma, self.heads)
         delta, w = distance_offsets(self.seq_len)
         per_group = self.heads // self.kv_heads
-        return block_diagonal(
-            [rotation_average(sum(q[g * per_group : (g + 1) * per_group]), self.inv_freq, -delta, w) for g in range(self.kv_heads)]
-        )
+        return block_diagonal([
+            through_norm_jacobian(rotation_average(sum(q[g * per_group : (g + 1) * per_group]), self.inv_freq, -delta, w),
+                                  norm_scale(self.attn, "k"))
+            for g in range(self.kv_heads)
+        ])
 
     def query_weight(self) -> torch.Tensor:
-        """Hd x Hd: per head, the rotation-averaged second moment of the keys it reads."""
-        k = head_moments(self.attn.k_proj.weight, self.attn.k_proj.bias, self.x.sigma, self.kv_heads)
+        """Hd x Hd: per head, the rotation-averaged second moment of the keys it reads (through the query
+        norm's Jacobian where the family has q/k norms)."""
+        k = attention_moments(self.attn, "k", self.x.sigma, self.kv_heads)
         delta, w = distance_offsets(self.seq_len)
         per_group = self.heads // self.kv_heads
-        averaged = [rotation_average(k_g, self.inv_freq, delta, w) for k_g in k]
+        averaged = [through_norm_jacobian(rotation_average(k_g, self.inv_freq, delta, w), norm_scale(self.attn, "q"))
+                    for k_g in k]
         return block_diagonal([averaged[h // per_group] for h in range(self.heads)])
 
     def value_weight(self) -> torch.Tensor:

@@ -383,6 +383,9 @@ def module_state(unit: LayerUnit, fit: StackedFit, attn: torch.nn.Module) -> dic
         bias = getattr(attn, f"{name}_proj").bias
         if bias is not None:
             state[f"{name}_bias"] = bias.detach()
+    for norm in ("q_norm", "k_norm"):  # Qwen3: the rebuilt queries and keys go through the layer's own norms
+        if getattr(attn, norm, None) is not None:
+            state[f"{norm}.weight"] = getattr(attn, norm).weight.detach()
     return state
 
 

@@ -29,7 +29,16 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -182,6 +191,18 @@ class AttentionBase(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
+        self.q_norm: nn.Module | None = None  # per-head RMSNorms of queries and keys before RoPE (Qwen3)
+        self.k_norm: nn.Module | None = None
+
+    def carry_norms(self, old: nn.Module) -> None:
+        """Keep the replaced attention's q/k norms (same names, so the checkpoint's weights load into them)."""
+        self.q_norm, self.k_norm = getattr(old, "q_norm", None), getattr(old, "k_norm", None)
+
+    def normed(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys [batch, heads, tokens, d] through the q/k norms where the family has them."""
+        if self.q_norm is None:
+            return query, key
+        return self.q_norm(query), self.k_norm(key)
 
 
 class RebuiltKVAttention(AttentionBase):
@@ -209,6 +230,7 @@ class RebuiltKVAttention(AttentionBase):
         require_dynamic_cache(cache)
         batch, length, _ = hidden_states.shape
         query, key, value = self.project(hidden_states, cache)
+        query, key = self.normed(query, key)
         total = key.shape[2]
 
         positions = torch.arange(total, device=hidden_states.device).unsqueeze(0)
@@ -410,6 +432,7 @@ class LokiAttention(AttentionBase):
         query = self.q_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)
         key = self.k_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)
+        query, key = self.normed(query, key)
         cos, sin = position_embeddings
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         query = torch.einsum("bhtd,hde->bhte", query, repeat_heads(self.loki_basis.unsqueeze(0), groups)[0])
@@ -481,6 +504,7 @@ class LokiAttention(AttentionBase):
 def apply_surgery(model: nn.Module, surgery: dict) -> None:
     """Replace the modules that ``surgery`` (``config.attnsurg``) names with their factorized forms."""
     layers = model.model.layers
+    old_attention = {id(layer): layer.self_attn for layer in layers}  # their q/k norms (Qwen3) stay
     for index, rank in (surgery.get("kv_latent") or {}).items():
         layer = layers[int(index)]
         old = layer.self_attn
@@ -512,6 +536,9 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
         layer = layers[int(index)]
         old = layer.self_attn
         layer.self_attn = FactoredKVAttention(model.config, int(index), old.q_proj, old.k_proj, old.v_proj, old.o_proj)
+    for layer in layers:
+        if isinstance(layer.self_attn, AttentionBase) and layer.self_attn.q_norm is None:
+            layer.self_attn.carry_norms(old_attention[id(layer)])
     link_rotary(model)
 
 
@@ -567,9 +594,19 @@ class AttnsurgQwen2ForCausalLM(SurgeryMixin, Qwen2ForCausalLM):
     config_class = AttnsurgQwen2Config
 
 
+class AttnsurgQwen3Config(Qwen3Config):
+    model_type = "attnsurg_qwen3"
+    attnsurg: dict | None = None
+
+
+class AttnsurgQwen3ForCausalLM(SurgeryMixin, Qwen3ForCausalLM):
+    config_class = AttnsurgQwen3Config
+
+
 # model_type of the base family -> (config class, model class) of its attnsurg form
 CLASSES = {
     "llama": (AttnsurgLlamaConfig, AttnsurgLlamaForCausalLM),
     "mistral": (AttnsurgMistralConfig, AttnsurgMistralForCausalLM),
     "qwen2": (AttnsurgQwen2Config, AttnsurgQwen2ForCausalLM),
+    "qwen3": (AttnsurgQwen3Config, AttnsurgQwen3ForCausalLM),
 }

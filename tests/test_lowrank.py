@@ -70,12 +70,12 @@ def test_full_rank_reproduces_the_logits(method, family, kv_heads, targets, rank
     assert logit_error(result, model, held_out()) < 1e-4
 
 
-@pytest.mark.parametrize("kv_latent, targets", [(False, "q,k,v,o"), (True, "k,v")])
-def test_error_falls_as_the_budget_grows(kv_latent, targets):
-    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
-    stats = calibration(model, "llama")
+@pytest.mark.parametrize("family, kv_latent, targets", [("llama", False, "q,k,v,o"), ("llama", True, "k,v"), ("qwen3", True, "k,v")])
+def test_error_falls_as_the_budget_grows(family, kv_latent, targets):
+    model = build_tiny(family, VOCAB, num_key_value_heads=2)
+    stats = calibration(model, family)
     errors = [
-        logit_error(compressed(model, "llama", stats, method="svdllm", targets=targets, ratio=r, kv_latent=kv_latent),
+        logit_error(compressed(model, family, stats, method="svdllm", targets=targets, ratio=r, kv_latent=kv_latent),
                     model, held_out(), "mse")
         for r in (0.25, 0.5, 0.75)
     ]

@@ -228,6 +228,14 @@ def short_prompts_note(share: float) -> str:
     return f", the last {share:.0%} of each cut into prompts of {low}-{high} tokens run on their own"
 
 
+def qk_norm_note(anatomy) -> list[str]:
+    if not anatomy.qk_norm:
+        return []
+    return ["q/k norms: the source normalises each head's queries and keys token by token, which MLA's shared "
+            "latent has no place for; the closed form linearises the norms at each head's mean square and "
+            "refinement fits the rest against the real layer, so even a full budget is approximate"]
+
+
 def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
     plan, anatomy = report.plan, report.anatomy
     calib = request.calibration
@@ -261,6 +269,7 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"{plan.format} format, {plan.layout} layout; "
             f"RoPE components kept per frequency, highest first: {rope_counts_note(plan.counts)})",
             *engine_note(plan),
+            *qk_norm_note(anatomy),
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}"
             + short_prompts_note(request.short_prompts),
             f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "

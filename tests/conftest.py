@@ -103,6 +103,7 @@ TINY_VARIANTS = {
     "llama-mha": ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
     "mistral": ("mistral", {"num_key_value_heads": 2}),
     "qwen2": ("qwen2", {"num_key_value_heads": 2}),
+    "qwen3": ("qwen3", {"num_key_value_heads": 2}),
 }
 
 

@@ -18,7 +18,7 @@ def test_supported_families_are_exact_and_refusals_name_the_feature():
         assert all(row[m] == "exact" for m in row if m != "mla")
         family_for_surgery(FAMILY_CONFIGS[family]().model_type)  # a surgery adapter exists for it
         if "Qwen3" in family:
-            assert row["mla"].startswith("refused: per-head q/k norms")
+            assert row["mla"] == "fitted: q/k norms linearised, then refined"
         else:
             assert row["mla"].startswith("exact with --format exact")
     blocked = {"Gemma 2 (sliding layers, soft-capping)": "soft-capping",

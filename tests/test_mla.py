@@ -26,9 +26,9 @@ LLAMA = family_for_surgery("llama")
 QWEN2 = family_for_surgery("qwen2")
 
 
-def converted_error(model, plan, ids, weighted=True, refine_steps=0) -> float:
+def converted_error(model, plan, ids, weighted=True, refine_steps=0, family="llama") -> float:
     windows = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
-    mla = convert(model, LLAMA, windows, plan, weighted, Refinement(steps=refine_steps)).model
+    mla = convert(model, family_for_surgery(family), windows, plan, weighted, Refinement(steps=refine_steps)).model
     with torch.no_grad():
         return (mla(ids).logits - model(ids).logits).abs().max().item()
 
@@ -232,12 +232,13 @@ def test_rope_components_fill_tier_by_tier_from_the_highest_frequency():
     assert flexible.counts == (2, 2, 2, 2, 1, 1, 1, 1) and flexible.nope_key_dim == 32 - 24
 
 
-@pytest.mark.parametrize("format", ["native", "exact"])
-def test_error_falls_as_the_latent_grows(format):
-    model = with_mean_direction(build_tiny("llama", 384, num_key_value_heads=2))
+@pytest.mark.parametrize("family, format", [("llama", "native"), ("llama", "exact"), ("qwen3", "native")])
+def test_error_falls_as_the_latent_grows(family, format):
+    model = with_mean_direction(build_tiny(family, 384, num_key_value_heads=2))
     anatomy = inspect_config(model.config)
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
-    errors = [converted_error(model, plan_mla(anatomy, kv_rank=r, rope_dim=16, format=format), ids) for r in (4, 16, 32, 48)]
+    errors = [converted_error(model, plan_mla(anatomy, kv_rank=r, rope_dim=16, format=format), ids, family=family)
+              for r in (4, 16, 32, 48)]
     assert errors == sorted(errors, reverse=True), errors
 
 
@@ -256,7 +257,7 @@ def test_native_format_error_is_the_spread_of_its_constant_channel():
 
 
 @pytest.mark.parametrize("variant,format", [("llama-gqa", "native"), ("llama-mha", "native"), ("mistral", "native"),
-                                            ("qwen2", "native"), ("qwen2", "exact")])
+                                            ("qwen2", "native"), ("qwen2", "exact"), ("qwen3", "native")])
 def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, format, tiny_checkpoints, corpus_file, tmp_path):
     request = ConvertMLA(
         model=ModelRef(ref=str(tiny_checkpoints[variant])),
@@ -282,6 +283,7 @@ def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, forma
         report.plan.attention_parameters(model.config.hidden_size)
     card = (tmp_path / "mla" / "README.md").read_text()
     assert "ppl" in card and "calibration part" in card and "## Use it" in card and "trust_remote_code" not in card
+    assert ("q/k norms: the source normalises" in card) == (variant == "qwen3")
     layers = model.config.num_hidden_layers
     attention = f"| attention parameters | {sum(p.numel() for n, p in AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant]).named_parameters() if '.self_attn.' in n):,} | "
     assert attention + f"{layers * report.plan.attention_parameters(model.config.hidden_size):,} |" in card

@@ -44,6 +44,6 @@ def support_matrix() -> dict[str, dict[str, str]]:
     matrix = {}
     for family, make in FAMILY_CONFIGS.items():
         anatomy = inspect_config(make())
-        matrix[family] = {name: (f"refused: {reason}" if (reason := spec.unsupported_reason(anatomy)) else spec.full_budget)
+        matrix[family] = {name: (f"refused: {reason}" if (reason := spec.unsupported_reason(anatomy)) else spec.full_budget_for(anatomy))
                           for name, spec in METHODS.items()}
     return matrix

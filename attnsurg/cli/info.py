@@ -122,6 +122,17 @@ def methods_cell(methods: dict[str, str | None]) -> str:
     return "\n".join(f"{n}: " + ("[green]yes[/]" if why is None else f"[yellow]no[/] ({why})") for n, why in methods.items())
 
 
+def footnote(notes: dict, method: str, value: str) -> str:
+    """The footnote mark of a qualified cell ("*", "**", ...), adding the note the first time it is seen."""
+    keys = [k for k in notes if k.startswith("*")]
+    for key in keys:
+        if key.split(" ", 1)[1] == f"{method}: {value}":
+            return key.split(" ", 1)[0]
+    mark = "*" * (len(keys) + 1)
+    notes[f"{mark} {method}: {value}"] = []
+    return mark
+
+
 def print_support_matrix(json_output: bool) -> None:
     from attnsurg.arch.coverage import support_matrix
 
@@ -144,9 +155,8 @@ def print_support_matrix(json_output: bool) -> None:
                 notes.setdefault(value.removeprefix("refused: "), []).append(name)
                 cells.append("refused")
             else:
-                cells.append("exact" if value == "exact" else "exact*")
-                if value != "exact":
-                    notes.setdefault(f"* {name}: {value}", [])
+                label = "exact" if value.startswith("exact") else "fitted"
+                cells.append(label + ("" if value == "exact" else footnote(notes, name, value)))
         table.add_row(family, *cells)
     out.print(table)
     for note, refusing in notes.items():

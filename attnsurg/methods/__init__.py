@@ -18,7 +18,11 @@ class MethodSpec:
     name: str
     summary: str
     unsupported_reason: Callable[[AttentionAnatomy], str | None]
-    full_budget: str = "exact"  # what a full budget gives where the method applies: exact, or how it is fitted
+    full_budget: str | Callable[[AttentionAnatomy], str] = "exact"  # what a full budget gives where the method
+    # applies (exact, or how it is fitted), or a function of the model's anatomy that says it
+
+    def full_budget_for(self, anatomy: AttentionAnatomy) -> str:
+        return self.full_budget(anatomy) if callable(self.full_budget) else self.full_budget
 
 
 METHODS: dict[str, MethodSpec] = {}

@@ -85,10 +85,7 @@ SUPPORTED_ROPE = ("default", "llama3")
 
 
 def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
-    if anatomy.qk_norm and anatomy.model_type in SURGERY_FAMILIES:
-        return ("per-head q/k norms: each head's keys are normalized token by token, which one shared latent does "
-                "not express (no fitted construction yet; compress methods keep the norms)")
-    if anatomy.model_type not in ("llama", "mistral", "qwen2"):
+    if anatomy.model_type not in SURGERY_FAMILIES:
         return f"the {anatomy.model_type} family is not supported yet ({blocking_features(anatomy)})"
     if anatomy.sliding_window:
         return "sliding-window attention cannot be expressed as MLA"
@@ -97,8 +94,14 @@ def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
     return None
 
 
+def full_budget(anatomy: AttentionAnatomy) -> str:
+    if anatomy.qk_norm:
+        return "fitted: q/k norms linearised, then refined"
+    return "exact with --format exact --rope-layout flexible; native fitted"
+
+
 register(MethodSpec("mla", "GQA/MHA -> DeepSeek-style latent attention (DeepseekV3 checkpoint)", unsupported_reason,
-                    full_budget="exact with --format exact --rope-layout flexible; native fitted"))
+                    full_budget=full_budget))
 
 
 @dataclass(frozen=True)
@@ -391,14 +394,31 @@ def consumer_weight(Q_nope: list[torch.Tensor], Wo: torch.Tensor, sigma, plan: M
     return S + torch.eye(S.shape[0], dtype=S.dtype) * S.diagonal().mean() * 1e-6
 
 
+def linearised_norm(W: torch.Tensor, norm: torch.nn.Module | None, sigma: torch.Tensor, heads: int) -> torch.Tensor:
+    """The query or key map with a per-head RMSNorm after it (Qwen3's q_norm/k_norm, n(y) = g * y / rms(y))
+    replaced by its linearisation at each head's mean square E[rms(y)^2] = tr(W_h sigma W_h^T) / d: MLA's
+    shared latent has no per-token, per-head normalisation, so the closed form fits this linear surrogate and
+    refinement fits the rest against the real layer (with the norms) on calibration data."""
+    if norm is None:
+        return W
+    d = W.shape[0] // heads
+    gain = norm.weight.detach().double()
+    rows = []
+    for h in range(heads):
+        Wh = W[h * d : (h + 1) * d]
+        mean_square = ((Wh @ sigma) * Wh).sum() / d
+        rows.append(gain[:, None] * Wh / (mean_square + norm.variance_epsilon).sqrt())
+    return torch.cat(rows)
+
+
 @torch.no_grad()
 def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
               sigma_first: torch.Tensor | None = None) -> MLAWeights:
     """Closed-form MLA factors for one attention layer from its input second moment ``sigma`` ((D+1)^2) and,
     for the native format, that of each window's first token (``sigma_first``, the attention sink)."""
     H, G, d, R, r = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.rope_dim, plan.kv_rank
-    Wq = augmented(attn.q_proj.weight, attn.q_proj.bias)
-    Wk = augmented(attn.k_proj.weight, attn.k_proj.bias)
+    Wq = linearised_norm(augmented(attn.q_proj.weight, attn.q_proj.bias), getattr(attn, "q_norm", None), sigma, H)
+    Wk = linearised_norm(augmented(attn.k_proj.weight, attn.k_proj.bias), getattr(attn, "k_norm", None), sigma, G)
     Wv = augmented(attn.v_proj.weight, attn.v_proj.bias)
     Wo = attn.o_proj.weight
     group = H // G

@@ -62,6 +62,39 @@ def test_a_truncated_safetensors_file_is_named_before_loading(tiny_checkpoints, 
         resolve_source(str(target))
 
 
+def rewrite_header(weights, edit) -> None:
+    """Apply ``edit`` to a safetensors file's JSON header in place, keeping the data as it is."""
+    import json
+    import struct
+
+    data = weights.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size :])
+
+
+@pytest.mark.parametrize("shape, dtype", [([32, 128], "F32"), ([64, 128], "F16")])  # same bytes, another shape
+def test_a_header_that_lies_about_a_shape_is_named_before_loading(tiny_checkpoints, tmp_path, shape, dtype):
+    target = tmp_path / "lying"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], target)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    rewrite_header(target / "model.safetensors", lambda header: header[name].update(shape=shape, dtype=dtype))
+    with pytest.raises(UserError, match=rf"holds '{name}' with shape \[{shape[0]}, {shape[1]}\], but its config.json needs \[64, 64\]"):
+        resolve_source(str(target))
+
+
+def test_an_index_naming_a_missing_shard_is_named_before_loading(tiny_checkpoints, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    shards = sorted((tmp_path / "sharded").glob("*.safetensors"))
+    shards[1].unlink()
+    with pytest.raises(UserError, match=rf"names 1 shard\(s\) that are not there \({shards[1].name}\)"):
+        resolve_source(str(tmp_path / "sharded"))
+
+
 def _pickle_checkpoint(tiny_checkpoints, tmp_path):
     target = tmp_path / "pickled"
     target.mkdir()

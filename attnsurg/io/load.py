@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from attnsurg.arch.anatomy import meta_model
 from attnsurg.arch.families import supported_names
 from attnsurg.errors import UserError
 from attnsurg.io.assets import ASSETS, ensure_demo_model
@@ -99,7 +100,10 @@ def _resolve_dir(ref: str, path: Path, allow_pickle: bool, trust_remote_code: bo
     _check_remote_code(ref, _read_json(config_file), trust_remote_code)
     for weights in sorted(path.glob("*.safetensors")):
         _check_safetensors(weights)
-    return ModelSource(ref, "dir", str(path))
+    _check_index(path)
+    source = ModelSource(ref, "dir", str(path))
+    _check_header_shapes(source, trust_remote_code)
+    return source
 
 
 def _check_safetensors(path: Path) -> None:
@@ -110,6 +114,40 @@ def _check_safetensors(path: Path) -> None:
     except (SafetensorError, OSError) as exc:
         raise UserError(f"'{path}' is not a readable safetensors file ({_first_line(exc)}); it may be truncated: "
                         "copy or download it again")
+
+
+def _check_index(path: Path) -> None:
+    """Every shard a safetensors index names is there."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    missing = [shard for shard in shards if not (path / shard).is_file()]
+    if missing:
+        raise UserError(f"'{index}' names {len(missing)} shard(s) that are not there ({', '.join(missing[:3])}"
+                        f"{', ...' if len(missing) > 3 else ''}); copy or download the checkpoint again")
+
+
+def _check_header_shapes(source: ModelSource, trust_remote_code: bool) -> None:
+    """Every tensor the safetensors headers name has the shape the config's model needs (a header can be
+    self-consistent and still lie about a shape, or a file can belong to another config): checked on a
+    meta-device model, before any weight is read. Checkpoints whose config cannot be built are left to the
+    loader, which says why, and quantized checkpoints (packed shapes) to their quantizer."""
+    try:
+        config = load_config(source, trust_remote_code)
+        if getattr(config, "quantization_config", None):
+            return
+        expected = {name: tuple(t.shape) for name, t in meta_model(config, trust_remote_code).state_dict().items()}
+    except (UserError, ValueError, TypeError, AttributeError, OSError, RuntimeError):
+        return
+    for weights in sorted(Path(source.path).glob("*.safetensors")):
+        with safe_open(str(weights), framework="pt") as f:
+            for name in f.keys():
+                shape, wanted = tuple(f.get_slice(name).get_shape()), expected.get(name)
+                if wanted is not None and shape != wanted:
+                    raise UserError(f"'{weights}' holds '{name}' with shape {list(shape)}, but its config.json needs "
+                                    f"{list(wanted)}: the weights and the config do not belong together; copy or "
+                                    "download the checkpoint again")
 
 
 def _read_json(path: Path) -> dict:

@@ -69,7 +69,7 @@ def weight_spectra(attention: nn.Module, anatomy: AttentionAnatomy) -> dict[str,
 def head_projections(attention: nn.Module, anatomy: AttentionAnatomy, hidden: torch.Tensor,
                      rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Queries, keys and values per head ([heads, L, d]) from one window's attention input ([1, L, D]), and the
-    queries and keys after RoPE."""
+    queries and keys after RoPE (queries and keys through the layer's q/k norms where it has them, Qwen3)."""
     x, d = hidden[0].float(), anatomy.head_dim
     length = x.shape[0]
 
@@ -77,6 +77,8 @@ def head_projections(attention: nn.Module, anatomy: AttentionAnatomy, hidden: to
         return projection(x).view(length, count, d).transpose(0, 1)
 
     query, key = heads(attention.q_proj, anatomy.num_heads), heads(attention.k_proj, anatomy.num_kv_heads)
+    if getattr(attention, "q_norm", None) is not None:
+        query, key = attention.q_norm(query), attention.k_norm(key)
     value = heads(attention.v_proj, anatomy.num_kv_heads)
     cos, sin = rope
     query_post, key_post = apply_rotary_pos_emb(query[None], key[None], cos, sin)

@@ -39,6 +39,7 @@ from attnsurg.pipeline import (
     operated_once,
     peak_memory_gb,
     source_license,
+    Surgery,
     start_surgery,
 )
 from attnsurg.recipe import ConvertMLA, Recipe
@@ -125,22 +126,23 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     if request.stream:
         return run_streamed(request, source, anatomy, report, recipe)
     surgery = start_surgery(request, source, anatomy)
-
-    def operate() -> PreTrainedModel:
-        started = time.perf_counter()
-        with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
-            starts = short_prompt_starts(surgery.windows, request.short_prompts, request.seed)
-            result = convert(
-                surgery.model, surgery.family, surgery.windows, plan, request.weighted, refinement_of(request),
-                progress=advance, starts=starts, device=surgery.device,
-            )
-        report.convert_seconds = time.perf_counter() - started
-        report.plan, report.layer_errors = result.plan, result.layer_errors
-        return result.model
-
-    model = operated_once(operate, request, recipe)
+    model = operated_once(lambda: operate(surgery, request, plan, report), request, recipe)
     finish_surgery(surgery, model, request, anatomy, report, lambda: mla_card(request, report), recipe=recipe)
     return report
+
+
+def operate(surgery: Surgery, request: ConvertMLA, plan: MLAPlan, report: ConvertReport) -> PreTrainedModel:
+    """The conversion itself, in memory (the report gets its time, plan and layer errors)."""
+    started = time.perf_counter()
+    with ui.progress_bar("Converting layers", total=plan.num_layers, unit="layers") as advance:
+        starts = short_prompt_starts(surgery.windows, request.short_prompts, request.seed)
+        result = convert(
+            surgery.model, surgery.family, surgery.windows, plan, request.weighted, refinement_of(request),
+            progress=advance, starts=starts, device=surgery.device,
+        )
+    report.convert_seconds = time.perf_counter() - started
+    report.plan, report.layer_errors = result.plan, result.layer_errors
+    return result.model
 
 
 STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard is complete

@@ -226,6 +226,22 @@ class Calibration(Strict):
         return data.model_copy(update={"part": "calib"}) if isinstance(data, TextData) else data
 
 
+class PlanRequest(Strict):
+    """``attnsurg analyze plan``: per method, the smallest budget predicted to keep the perplexity ratio within
+    ``target_ratio`` on the calibration text's eval part."""
+
+    model: ModelRef
+    output: Path
+    target_ratio: float = Field(1.3, gt=1)
+    methods: list[str] = Field(default_factory=lambda: ["svdllm", "loki", "mla"], min_length=1)
+    calibration: Calibration = Calibration()
+    eval_tokens: int = Field(2048, gt=0)
+    verify: bool = False
+    seed: int = 0
+    device: str = "auto"
+    overwrite: bool = False
+
+
 class SurgeryContext(Strict):
     """What every surgery request carries besides its method's settings."""
 

@@ -163,3 +163,23 @@ def approx_figure(report, path: Path) -> Path:
     axes[0][-1].legend(fontsize=8)
     figure.suptitle(f"{report.model}: attention approximations on {report.seq_len} tokens of {report.text}")
     return save(figure, path)
+
+
+def plan_figure(report, path: Path) -> Path:
+    """One panel per method: the predicted perplexity ratio against the budget, the anchors it is fitted to, the
+    target and (with --verify) the chosen budget's measured ratio."""
+    count = len(report.methods)
+    figure, axes = plt.subplots(1, count, figsize=(5 * count, 4.2), constrained_layout=True, squeeze=False)
+    for axis, method in zip(axes[0], report.methods, strict=True):
+        axis.semilogy(method.budgets, method.predicted, marker=".", label="predicted")
+        axis.semilogy([a.budget for a in method.anchors], [a.ratio for a in method.anchors], "s", label="anchors (measured)")
+        if method.measured_ratio is not None:
+            axis.semilogy([method.chosen], [method.measured_ratio], "*", markersize=12, label="chosen (measured)")
+        axis.axhline(report.target_ratio, color="grey", linestyle="--", label=f"target x{report.target_ratio:g}")
+        axis.set_title(method.method)
+        axis.set_xlabel("budget")
+        axis.set_ylabel("perplexity ratio to the source")
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    figure.suptitle(f"{report.model}: planned budgets ({report.eval_tokens} tokens of {report.text})")
+    return save(figure, path)

@@ -88,6 +88,44 @@ class ApproxReport(Strict):
     seconds: float = 0.0
 
 
+class Anchor(Strict):
+    """A real conversion the error model is fitted to."""
+
+    budget: float
+    proxy: float = Field(description="The summed per-layer error proxy at this budget.")
+    ratio: float = Field(description="Measured perplexity ratio to the source.")
+
+
+class MethodPlanReport(Strict):
+    """One method's plan: its proxy and predicted ratio at every candidate budget, the anchors, the error model
+    log(ratio) = scale * proxy^power, and the chosen budget (None: no candidate stays within the target)."""
+
+    method: str
+    budgets: list[float]
+    proxies: list[float] = Field(description="Per budget, the per-layer error proxy summed over layers.")
+    layer_proxies: list[list[float]] = Field(description="Per budget, the error proxy of each layer.")
+    predicted: list[float] = Field(description="Per budget, the predicted perplexity ratio.")
+    anchors: list[Anchor]
+    scale: float
+    power: float
+    chosen: float | None
+    predicted_ratio: float | None = None
+    measured_ratio: float | None = Field(None, description="The chosen budget converted and scored (--verify).")
+    relative_difference: float | None = Field(None, description="measured / predicted - 1.")
+
+
+class PlanReport(Strict):
+    """``attnsurg analyze plan``: per method, the smallest budget predicted to stay within the target ratio."""
+
+    model: str
+    text: str
+    eval_tokens: int = Field(description="Tokens of the text's eval part every ratio is scored on.")
+    target_ratio: float
+    ppl_source: float
+    methods: list[MethodPlanReport]
+    seconds: float = 0.0
+
+
 def write_json(model: BaseModel, directory: Path, name: str) -> list[Path]:
     """A report and its JSON schema, side by side (``name.json``, ``name.schema.json``)."""
     report_path, schema_path = directory / f"{name}.json", directory / f"{name}.schema.json"

@@ -200,6 +200,57 @@ def approx(
     out.print(f"Wrote {len(files)} files to {output} in {report.seconds:.0f} s", highlight=False)
 
 
+@analyze_app.command("plan")
+@user_errors
+def plan(
+    model: ModelArgument,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Plan directory (plan.json, plan.png, a recipe per method).")],
+    target_ratio: Annotated[float, typer.Option("--target-ratio", help="Largest perplexity ratio to the source allowed.")] = 1.3,
+    methods: Annotated[str, typer.Option("--methods", help="Methods to plan, comma-separated: svd, asvd, svdllm, loki, mla.")] = "svdllm,loki,mla",
+    dataset: Dataset = "wiki-sample",
+    text: TextFile = None,
+    calib_tokens: Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")] = 4096,
+    seq_len: Annotated[int, typer.Option("--calib-seq-len", help="Tokens per calibration window.")] = 512,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens of the text's eval part every ratio is scored on.")] = 2048,
+    verify: Annotated[bool, typer.Option("--verify", help="Also convert each chosen budget and measure its ratio.")] = False,
+    device: Device = "auto",
+    overwrite: Overwrite = False,
+    json_output: JsonFlag = False,
+    trust_remote_code: TrustRemoteCode = False,
+    allow_pickle: AllowPickle = False,
+) -> None:
+    """Per method, the smallest budget predicted to stay within a perplexity ratio, and its recipe."""
+    from attnsurg.analyze.plan import parse_methods, run_plan
+    from attnsurg.recipe import Calibration, ModelRef, PlanRequest
+
+    request = PlanRequest(
+        model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle), output=output,
+        target_ratio=target_ratio, methods=parse_methods(methods),
+        calibration=Calibration(data=text_data(dataset, text), tokens=calib_tokens, seq_len=seq_len),
+        eval_tokens=eval_tokens, verify=verify, device=device, overwrite=overwrite)
+    report, files = run_plan(request)
+    if json_output:
+        print(json.dumps({"report": str(files[0]), "files": [str(f) for f in files], **report.model_dump()}, indent=2))
+        return
+    out.print(plan_table(report))
+    out.print(f"Wrote {len(files)} files to {output} in {report.seconds:.0f} s", highlight=False)
+
+
+def plan_table(report) -> Table:
+    table = Table(title=f"{report.model}: smallest budget predicted within x{report.target_ratio:g} "
+                        f"({report.eval_tokens} tokens of {report.text})", title_justify="left")
+    for column in ("method", "anchors (budget: measured)", "error model", "budget", "predicted", "measured"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for m in report.methods:
+        anchors = ", ".join(f"{a.budget:g}: x{a.ratio:.3f}" for a in m.anchors)
+        model = f"ln r = {m.scale:.3g} e^{m.power:.2f}"
+        chosen = "none" if m.chosen is None else f"{m.chosen:g}"
+        predicted = "" if m.predicted_ratio is None else f"x{m.predicted_ratio:.3f}"
+        measured = "" if m.measured_ratio is None else f"x{m.measured_ratio:.3f} ({m.relative_difference:+.1%})"
+        table.add_row(m.method, anchors, model, chosen, predicted, measured)
+    return table
+
+
 def approx_table(report) -> Table:
     """Family x budget: the relative output error, mean over the analysed layers and their heads."""
     layers = ", ".join(str(layer.index) for layer in report.layers)

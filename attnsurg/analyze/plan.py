@@ -1,0 +1,321 @@
+"""``attnsurg analyze plan``: per method, the smallest budget predicted to keep the perplexity ratio within a
+target, written as a recipe.
+
+Per method, a per-layer error proxy is measured on the model at every candidate budget without converting it:
+
+- svd, asvd, svdllm (a k/v latent: the budget is the share of the KV cache kept): each layer's relative
+  truncation energy in the method's own metric (the discarded share of the spectrum ``compress`` truncates);
+- loki (half the head dim scores keys; the budget is the share of each query's context kept): each layer's
+  attention mass outside each query's top-k keys, mean over heads;
+- mla (the KV budget): each layer's closed-form relative output error on calibration windows (the
+  conversion before refinement).
+
+A budget's proxy is the sum over layers. The error model maps it to a perplexity ratio,
+``log(ratio) = a * proxy^p``, with ``a`` and ``p`` fitted to two real conversions of the model (the anchors,
+made the way the method's command makes them and scored on the same windows as the source). The plan is the
+smallest candidate budget whose predicted ratio stays within the target; with ``verify`` it is converted too
+and the measured ratio stands beside the prediction.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel
+from transformers import PreTrainedModel, set_seed
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+from attnsurg import ui
+from attnsurg.analyze.report import PlanReport, MethodPlanReport, Anchor, write_json
+from attnsurg.analyze.run import head_projections
+from attnsurg.analyze.sparsity import attention_probabilities, top_mass
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.calibrate import attention_layers, calibration_windows, captured_inputs, causal_mask, input_statistics
+from attnsurg.errors import UserError
+from attnsurg.eval.perplexity import perplexity_of, scoring_windows
+from attnsurg.info import inspect_model
+from attnsurg.io.load import load_model, load_tokenizer, resolve_device
+from attnsurg.io.recipe_file import dump_recipe
+from attnsurg.io.save import staged_checkpoint
+from attnsurg.methods.lowrank import decompose, layer_contexts, plan_units, uniform_ranks
+from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
+from attnsurg.pipeline import Surgery
+from attnsurg.placement import on_device
+from attnsurg.recipe import (
+    REQUEST_FOR,
+    Calibration,
+    ConvertMLA,
+    LokiSettings,
+    LowRankSettings,
+    MLASettings,
+    PlanRequest,
+    Recipe,
+    SurgeryRequest,
+)
+
+PROXY_WINDOWS = 2  # calibration windows the attention-based proxies (loki, mla) are measured on
+
+
+@dataclass
+class PlanContext:
+    """The source in float32, its calibration windows and statistics, and the windows every ratio is scored on."""
+
+    request: PlanRequest
+    model: PreTrainedModel
+    tokenizer: object
+    anatomy: AttentionAnatomy
+    family: Family
+    device: torch.device
+    windows: torch.Tensor
+    stats: list  # per layer: (attention input, o_proj input) statistics
+    scored: tuple  # scoring windows (tokens, windows) of the calibration text's eval part
+    ppl_source: float
+
+    def attentions(self) -> list[torch.nn.Module]:
+        return attention_layers(self.model, self.family)
+
+
+@dataclass(frozen=True)
+class PlannedMethod:
+    """A method's budget knob: candidate budgets, the two anchor budgets converted for real, the recipe step
+    at a budget and the per-layer proxy at every budget ([budget][layer])."""
+
+    name: str
+    budgets: tuple[float, ...]
+    anchors: tuple[float, float]
+    settings: Callable[[float, AttentionAnatomy], BaseModel]
+    proxy: Callable[[PlanContext, tuple[float, ...]], list[list[float]]]
+
+
+# ------------------------------------------------------------------------------------------ proxies
+def lowrank_proxy(method: str) -> Callable[[PlanContext, tuple[float, ...]], list[list[float]]]:
+    def proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
+        contexts = layer_contexts(ctx.model, ctx.family, ctx.stats, ctx.windows.shape[1])
+        units = plan_units(ctx.anatomy, ("k", "v"), kv_latent=True)
+        spectra = [decompose(unit, contexts[unit.layer], method, weighted=method == "svdllm") for unit in units]
+        return [[s.relative_error(rank) for s, rank in zip(spectra, uniform_ranks(units, budget, None, True), strict=True)]
+                for budget in budgets]
+    return proxy
+
+
+@torch.no_grad()
+def loki_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
+    attentions = ctx.attentions()
+    rotary = ctx.model.get_submodule(ctx.family.rotary_path)
+    groups = ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads
+    outside = [torch.zeros(len(budgets), dtype=torch.float64) for _ in attentions]
+    inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
+    for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
+        for window in hidden:
+            rope = rotary(window[None], torch.arange(window.shape[0])[None])
+            _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
+            scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
+            probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale)
+            outside[layer] += 1 - top_mass(probabilities, budgets).double().mean(0)
+    return [[float(o[i]) / len(inputs[0]) for o in outside] for i in range(len(budgets))]
+
+
+@torch.no_grad()
+def mla_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
+    attentions = ctx.attentions()
+    inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
+    rotary = ctx.model.get_submodule(ctx.family.rotary_path)
+    length = ctx.windows.shape[1]
+    positions = torch.arange(length)[None]
+    targets = [attention(hidden_states=x, position_embeddings=rotary(x, positions), attention_mask=causal_mask(length))[0]
+               for attention, x in zip(attentions, inputs, strict=True)]
+    inv_freq = rotary.inv_freq
+    errors = []
+    for budget in budgets:
+        plan = plan_mla(ctx.anatomy, kv_budget=budget)
+        config = deepseek_config(ctx.model, plan.fitted, inv_freq)
+        config._attn_implementation = "sdpa"
+        rope = DeepseekV3RotaryEmbedding(config)(inputs[0][:1], positions)
+        row = []
+        for index, (attention, x, target) in enumerate(zip(attentions, inputs, targets, strict=True)):
+            stats = ctx.stats[index][0]
+            converted = mla_attention(config, index, fit_layer(attention, stats.sigma, plan, True, stats.sigma_first),
+                                      attention.o_proj.weight)
+            output = sampled_output(converted, x, rope, torch.arange(length))
+            # the first token (an attention sink with an outsized output) is left out of both sums
+            row.append(float((output - target)[:, 1:].pow(2).sum() / target[:, 1:].pow(2).sum()))
+        errors.append(row)
+    return errors
+
+
+def lowrank_settings(method: str) -> Callable[[float, AttentionAnatomy], BaseModel]:
+    return lambda budget, anatomy: LowRankSettings(method=method, targets=("k", "v"), kv_latent=True, ratio=budget)
+
+
+def loki_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
+    return LokiSettings(rank=anatomy.head_dim // 2, top_k=budget)
+
+
+def mla_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
+    return MLASettings(kv_budget=budget)
+
+
+KV_BUDGETS = (0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875)
+PLANNED: dict[str, PlannedMethod] = {
+    **{m: PlannedMethod(m, KV_BUDGETS, (0.25, 0.5), lowrank_settings(m), lowrank_proxy(m)) for m in ("svd", "asvd", "svdllm")},
+    "loki": PlannedMethod("loki", (1 / 32, 1 / 16, 0.09375, 0.125, 0.1875, 0.25, 0.375, 0.5), (1 / 16, 0.25),
+                          loki_settings, loki_proxy),
+    "mla": PlannedMethod("mla", (0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75), (0.25, 0.5),
+                         mla_settings, mla_proxy),
+}
+
+
+def parse_methods(value: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PLANNED]
+    if unknown or not names:
+        raise UserError(f"--methods '{value}': plan any of {', '.join(PLANNED)} (tucker and cp are not planned yet)")
+    return names
+
+
+# ------------------------------------------------------------------------------------------ error model
+@dataclass(frozen=True)
+class ErrorModel:
+    """log(ratio) = scale * proxy^power, through two anchors (proxy, measured ratio)."""
+
+    scale: float
+    power: float
+
+    @classmethod
+    def through(cls, first: tuple[float, float], second: tuple[float, float]) -> ErrorModel:
+        (x1, r1), (x2, r2) = first, second
+        y1, y2 = math.log(max(r1, 1 + 1e-9)), math.log(max(r2, 1 + 1e-9))
+        if min(x1, x2) <= 0 or abs(math.log(x2 / x1)) < 1e-9:  # one point's worth: proportional
+            return cls(scale=(y1 + y2) / max(x1 + x2, 1e-12), power=1.0)
+        power = math.log(y2 / y1) / math.log(x2 / x1)
+        return cls(scale=y1 / x1 ** power, power=power)
+
+    def ratio(self, proxy: float) -> float:
+        return math.exp(self.scale * max(proxy, 0.0) ** self.power)
+
+
+def smallest_within(budgets: tuple[float, ...], predicted: list[float], target: float) -> float | None:
+    """The smallest budget whose prediction, and every larger budget's, stays within the target."""
+    chosen = None
+    for budget, ratio in sorted(zip(budgets, predicted, strict=True), reverse=True):
+        if ratio > target:
+            break
+        chosen = budget
+    return chosen
+
+
+# ------------------------------------------------------------------------------------------ conversions
+def request_at(ctx: PlanContext, settings: BaseModel, output: Path) -> SurgeryRequest:
+    return REQUEST_FOR[type(settings)](model=ctx.request.model, output=output, calibration=ctx.request.calibration,
+                                       eval_tokens=ctx.request.eval_tokens, eval_domains=[], seed=ctx.request.seed,
+                                       **dict(settings))
+
+
+def operated(ctx: PlanContext, request: SurgeryRequest) -> PreTrainedModel:
+    """The method applied to the loaded source exactly as its command applies it, in memory."""
+    from attnsurg import compress, convert
+
+    set_seed(request.seed)
+    surgery = Surgery(ctx.family, ctx.model, ctx.tokenizer, ctx.windows, time.perf_counter(), ctx.device)
+    if isinstance(request, ConvertMLA):
+        _, anatomy, plan = convert.plan_request(request)
+        return convert.operate(surgery, request, plan, convert.ConvertReport(plan, anatomy))
+    _, anatomy, plan = compress.plan_request(request)
+    return compress.operate(surgery, request, plan, anatomy, compress.CompressReport(plan, anatomy))
+
+
+def measured_ratio(ctx: PlanContext, method: PlannedMethod, budget: float) -> float:
+    request = request_at(ctx, method.settings(budget, ctx.anatomy), ctx.request.output / "unused")
+    model = operated(ctx, request)
+    return perplexity_of(model, *ctx.scored, f"{method.name} at {budget:g}", ctx.device) / ctx.ppl_source
+
+
+def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanReport, str | None]:
+    """Proxies, anchors, the fitted error model, the chosen budget (and its recipe text)."""
+    with ui.status(f"Measuring the {method.name} error proxy at {len(method.budgets)} budgets..."):
+        per_layer = method.proxy(ctx, method.budgets)
+    proxies = [sum(layers) for layers in per_layer]
+    anchors = []
+    for budget in method.anchors:
+        proxy = proxies[method.budgets.index(budget)]
+        anchors.append(Anchor(budget=budget, proxy=proxy, ratio=measured_ratio(ctx, method, budget)))
+    model = ErrorModel.through(*[(a.proxy, a.ratio) for a in anchors])
+    predicted = [model.ratio(p) for p in proxies]
+    chosen = smallest_within(method.budgets, predicted, ctx.request.target_ratio)
+    report = MethodPlanReport(method=method.name, budgets=list(method.budgets), proxies=proxies,
+                              layer_proxies=per_layer, predicted=predicted, anchors=anchors, scale=model.scale,
+                              power=model.power, chosen=chosen)
+    if chosen is None:
+        return report, None
+    report.predicted_ratio = predicted[method.budgets.index(chosen)]
+    if ctx.request.verify:
+        report.measured_ratio = measured_ratio(ctx, method, chosen)
+        report.relative_difference = report.measured_ratio / report.predicted_ratio - 1
+    return report, recipe_text(ctx, method, chosen, report)
+
+
+def recipe_text(ctx: PlanContext, method: PlannedMethod, budget: float, report: MethodPlanReport) -> str:
+    name = Path(ctx.request.model.ref).name or ctx.request.model.ref
+    output = Path("out") / f"{name}-{method.name}-{budget:g}"
+    recipe = Recipe.from_request(request_at(ctx, method.settings(budget, ctx.anatomy), output))
+    recipe = recipe.model_copy(update={"description": f"{method.name} at budget {budget:g}, planned for a perplexity "
+                                                      f"ratio within x{ctx.request.target_ratio:g}"})
+    anchors = ", ".join(f"x{a.ratio:.3f} at {a.budget:g}" for a in report.anchors)
+    header = (f"# attnsurg analyze plan --target-ratio {ctx.request.target_ratio:g}: predicted x{report.predicted_ratio:.3f} "
+              f"on {ctx.request.eval_tokens} tokens of the eval part of {ctx.request.calibration.data.dataset or 'the text'}\n"
+              f"# (error model fitted to real conversions: {anchors})\n")
+    return header + dump_recipe(recipe)
+
+
+# ------------------------------------------------------------------------------------------ the command
+def load_context(request: PlanRequest) -> PlanContext:
+    source, _, anatomy = inspect_model(request.model)
+    family = family_for_surgery(anatomy.model_type)
+    device = resolve_device(request.device)
+    with ui.status(f"Loading {request.model.ref}..."):
+        model = load_model(source, torch.float32, "cpu", request.model.trust_remote_code, request.model.allow_pickle)
+        tokenizer = load_tokenizer(source, request.model.trust_remote_code)
+    calibration: Calibration = request.calibration
+    seq_len = min(calibration.seq_len, anatomy.max_positions or calibration.seq_len)
+    windows = calibration_windows(tokenizer, calibration.data, calibration.tokens, seq_len)
+    attentions = attention_layers(model, family)
+    with on_device(model, device):
+        stats = input_statistics(model, attentions + [a.o_proj for a in attentions], windows)
+    stats = list(zip(stats[: len(attentions)], stats[len(attentions):], strict=True))
+    scored = scoring_windows(tokenizer, calibration.data, request.eval_tokens, anatomy.max_positions)
+    ppl = perplexity_of(model, *scored, "the source", device)
+    return PlanContext(request, model, tokenizer, anatomy, family, device, windows, stats, scored, ppl)
+
+
+def run_plan(request: PlanRequest) -> tuple[PlanReport, list[Path]]:
+    """Plan every requested method and write plan.json (with its schema), plan.png and one recipe per method
+    that has a budget within the target into ``request.output``."""
+    from attnsurg.analyze.plots import plan_figure
+
+    started = time.perf_counter()
+    for name in request.methods:
+        if name not in PLANNED:
+            raise UserError(f"--methods: '{name}' is not planned; plan any of {', '.join(PLANNED)}")
+    with staged_checkpoint(request.output, request.overwrite) as staging:
+        ctx = load_context(request)
+        methods, recipes = [], {}
+        for name in request.methods:
+            report, text = plan_method(ctx, PLANNED[name])
+            methods.append(report)
+            if text is not None:
+                recipes[f"{name}.yaml"] = text
+        report = PlanReport(model=request.model.ref, text=request.calibration.data.dataset or str(request.calibration.data.text),
+                            eval_tokens=request.eval_tokens, target_ratio=request.target_ratio, ppl_source=ctx.ppl_source,
+                            methods=methods)
+        for file, text in recipes.items():
+            (staging / file).write_text(text, encoding="utf-8")
+        plot = plan_figure(report, staging / "plan.png")
+        report.seconds = time.perf_counter() - started
+        files = write_json(report, staging, "plan") + [plot] + [staging / f for f in recipes]
+    return report, [request.output / f.name for f in files]

@@ -1,0 +1,82 @@
+"""``attnsurg analyze plan``: the error model, the proxies' monotonicity, and the command's files."""
+
+import json
+import math
+
+import jsonschema
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attnsurg.analyze.plan import PLANNED, ErrorModel, PlanContext, smallest_within
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_layers, input_statistics
+from attnsurg.cli import app
+from attnsurg.io.recipe_file import parse_recipe
+from attnsurg.recipe import PlanRequest
+
+from conftest import build_tiny, with_mean_direction
+
+
+def test_error_model_passes_through_both_anchors_and_grows_with_the_proxy():
+    model = ErrorModel.through((0.2, 1.1), (0.8, 1.9))
+    assert model.ratio(0.2) == pytest.approx(1.1) and model.ratio(0.8) == pytest.approx(1.9)
+    assert model.ratio(0.0) == 1.0 and model.ratio(0.1) < model.ratio(0.5) < model.ratio(1.0)
+    flat = ErrorModel.through((0.3, 1.2), (0.3, 1.2))  # one point's worth: proportional through it
+    assert flat.power == 1.0 and flat.ratio(0.3) == pytest.approx(1.2)
+
+
+def test_the_smallest_budget_within_the_target_leaves_no_larger_budget_above_it():
+    budgets = (0.25, 0.5, 0.75, 1.0)
+    assert smallest_within(budgets, [1.5, 1.2, 1.1, 1.0], 1.25) == 0.5
+    assert smallest_within(budgets, [1.1, 1.4, 1.1, 1.0], 1.25) == 0.75  # not past a larger budget that fails
+    assert smallest_within(budgets, [2.0, 1.8, 1.6, 1.5], 1.25) is None
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory):
+    model = with_mean_direction(build_tiny("llama", 384, num_key_value_heads=2))
+    family = family_for_surgery("llama")
+    windows = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(1))
+    attentions = attention_layers(model, family)
+    stats = input_statistics(model, attentions + [a.o_proj for a in attentions], windows)
+    request = PlanRequest(model={"ref": "tiny"}, output=tmp_path_factory.mktemp("plan") / "out")
+    return PlanContext(request, model, None, inspect_config(model.config), family, torch.device("cpu"), windows,
+                       list(zip(stats[:2], stats[2:])), (), 1.0)
+
+
+@pytest.mark.parametrize("method", ["svdllm", "loki", "mla"])
+def test_each_proxy_falls_as_the_budget_grows_and_vanishes_at_full_budget(context, method):
+    budgets = (0.25, 0.5, 0.75, 1.0)
+    per_layer = PLANNED[method].proxy(context, budgets)
+    assert len(per_layer) == len(budgets) and all(len(row) == 2 for row in per_layer)
+    totals = [sum(row) for row in per_layer]
+    assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1], totals
+    # loki and the low-rank latent are exact at full budget; the native MLA format fits its norm channel
+    assert totals[-1] < (1e-2 if method == "mla" else 1e-9), totals
+
+
+def test_plan_writes_a_report_with_its_schema_a_plot_and_runnable_recipes(tiny_checkpoints, corpus_file, tmp_path):
+    out = tmp_path / "plan"
+    args = ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,loki", "--text", str(corpus_file),
+            "--calib-tokens", "512", "--calib-seq-len", "64", "--eval-tokens", "256", "--target-ratio", "1.5",
+            "--verify", "-o", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "plan.json").read_text())
+    jsonschema.validate(report, json.loads((out / "plan.schema.json").read_text()))
+    assert (out / "plan.png").stat().st_size > 0
+    for method in report["methods"]:
+        assert len(method["anchors"]) == 2 and all(math.isfinite(a["ratio"]) for a in method["anchors"])
+        assert method["chosen"] is not None and method["measured_ratio"] is not None
+        recipe = parse_recipe((out / f"{method['method']}.yaml").read_text())
+        budget = recipe.surgery.ratio if method["method"] == "svdllm" else recipe.surgery.top_k
+        assert budget == method["chosen"]
+
+
+def test_unknown_methods_are_one_line_and_exit_2(tiny_checkpoints, tmp_path):
+    result = CliRunner().invoke(app, ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,tucker",
+                                      "-o", str(tmp_path / "p")])
+    assert result.exit_code == 2 and "tucker and cp are not planned yet" in result.output
+    assert not (tmp_path / "p").exists()

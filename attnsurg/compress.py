@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import PreTrainedModel
 
@@ -24,7 +25,10 @@ from attnsurg.methods.headtensor import (
 )
 from attnsurg.methods.loki import LokiPlan, apply_loki, plan_loki
 from attnsurg.methods.stacked_tucker import StackedTuckerPlan, compress_stacked_tucker, plan_stacked_tucker
+from attnsurg.io.lazy import CheckpointReader
+from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
+from attnsurg.methods.lowrank_stream import compress_streamed
 from attnsurg.modeling import MODELING_FILE
 from attnsurg.pipeline import (
     base_model_id,
@@ -32,7 +36,10 @@ from attnsurg.pipeline import (
     described_data,
     finish_surgery,
     healing_note,
+    finish_streamed,
     operated_once,
+    peak_memory_gb,
+    start_streamed,
     start_surgery,
 )
 from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank, Recipe
@@ -112,11 +119,35 @@ def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None 
     report = CompressReport(plan, anatomy)
     if dry_run:
         return report
+    if getattr(request, "stream", False):
+        return run_streamed(request, source, anatomy, report, recipe or Recipe.from_request(request))
     surgery = start_surgery(request, source, anatomy)
     result_model = operated_once(lambda: operate(surgery, request, plan, anatomy, report), request, recipe)
     card = (lambda: loki_card(request, report)) if isinstance(plan, LokiPlan) else (lambda: lowrank_card(request, report))
     modeling = {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
     finish_surgery(surgery, result_model, request, anatomy, report, card, extra_files=modeling, recipe=recipe)
+    return report
+
+
+STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard is complete
+
+
+def run_streamed(request: CompressLowRank, source, anatomy: AttentionAnatomy, report: CompressReport,
+                 recipe: Recipe) -> CompressReport:
+    """Compress with one source layer in memory at a time (``lowrank_stream``), written straight into the staged
+    output in the source's dtype. Nothing is scored: that would load both models whole."""
+    surgery, config, dtype = start_streamed(request, source, anatomy, recipe)
+    with staged_checkpoint(request.output, request.overwrite) as staging:
+        with ui.progress_bar(f"Factorizing ({request.method}, streamed)", total=anatomy.num_layers, unit="layers") as advance:
+            written, report.errors = compress_streamed(
+                CheckpointReader(Path(source.path)), config, surgery.family, surgery.windows, report.plan, staging,
+                dtype, STREAM_SHARD_SIZE, advance, surgery.device)
+        report.factorize_seconds = time.perf_counter() - surgery.started
+        finish_streamed(staging, written, source, surgery, lowrank_card(request, report), recipe,
+                        {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")})
+    report.written = str(request.output)
+    report.seconds = time.perf_counter() - surgery.started
+    report.peak_memory_gb = peak_memory_gb()
     return report
 
 

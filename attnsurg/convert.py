@@ -6,8 +6,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
@@ -17,9 +16,7 @@ from attnsurg.heal import HealReport
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.lazy import CheckpointReader
-from attnsurg.io.load import DTYPES, load_config
-from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
-from attnsurg.io.save import finish_staging, staged_checkpoint
+from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods.mla import (
     REFINE_STEP_QUERIES,
     REFINE_STEP_TOKENS,
@@ -31,15 +28,16 @@ from attnsurg.methods.mla import (
 )
 from attnsurg.methods.mla_stream import convert_streamed
 from attnsurg.pipeline import (
+    Surgery,
     base_model_id,
     command_line,
     described_data,
+    finish_streamed,
     finish_surgery,
     healing_note,
     operated_once,
     peak_memory_gb,
-    source_license,
-    Surgery,
+    start_streamed,
     start_surgery,
 )
 from attnsurg.recipe import ConvertMLA, Recipe
@@ -153,17 +151,9 @@ def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report:
     """Convert with one source layer in memory at a time (``mla_stream``), written straight into the staged
     output in the source's dtype. Nothing is scored: that would load both models whole."""
     recipe = recipe or Recipe.from_request(request)
-    if recipe.heal is not None:
-        raise UserError("healing needs the whole model in memory; convert with stream: false, or heal afterwards "
-                        "with `attnsurg heal`")
     if request.short_prompts:
         raise UserError("--short-prompts is not available with --stream yet; drop one of them")
-    if source.kind not in ("dir", "builtin"):
-        raise UserError(f"--stream reads a local safetensors checkpoint directory, and '{request.model.ref}' is a "
-                        f"{source.kind} source; convert it to a directory first, or drop --stream")
-    surgery = start_surgery(request, source, anatomy, load_weights=False)
-    config = load_config(source, request.model.trust_remote_code)
-    dtype = DTYPES.get(str(config.dtype or "float32").removeprefix("torch."), torch.float32)
+    surgery, config, dtype = start_streamed(request, source, anatomy, recipe)
     with staged_checkpoint(request.output, request.overwrite) as staging:
         with ui.progress_bar("Converting layers (streamed)", total=report.plan.num_layers, unit="layers") as advance:
             written, report.layer_errors = convert_streamed(
@@ -171,25 +161,11 @@ def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report:
                 report.plan, staging, request.weighted, refinement_of(request), dtype, STREAM_SHARD_SIZE, advance,
                 surgery.device)
         report.convert_seconds = time.perf_counter() - surgery.started
-        written.save_pretrained(staging)
-        generation_config(source.path, written).save_pretrained(staging)
-        info = mla_card(request, report)
-        info.license = source_license(request.model.ref)
-        info.details.append("converted one decoder layer at a time (`--stream`); not scored here: score it with "
-                            "`attnsurg eval perplexity SOURCE THIS --dataset all`")
-        finish_staging(staging, surgery.tokenizer, info, {RECIPE_FILE: dump_recipe(recipe)})
+        finish_streamed(staging, written, source, surgery, mla_card(request, report), recipe)
     report.written = str(request.output)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()
     return report
-
-
-def generation_config(source_path: str, config) -> GenerationConfig:
-    """The source's generation settings (eos and the like), or those its config implies."""
-    try:
-        return GenerationConfig.from_pretrained(source_path)
-    except OSError:
-        return GenerationConfig.from_model_config(config)
 
 
 LAYOUT_NOTES = {

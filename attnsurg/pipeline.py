@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, set_seed
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel, set_seed
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
@@ -21,8 +21,8 @@ from attnsurg.data import parse_datasets
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
-from attnsurg.io.load import DTYPES, load_model, load_tokenizer, resolve_device
-from attnsurg.io.save import check_output_path, write_checkpoint
+from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_device
+from attnsurg.io.save import check_output_path, finish_staging, write_checkpoint
 from attnsurg.modeling import register as register_attnsurg
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
 from attnsurg.errors import UserError
@@ -220,6 +220,40 @@ def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool
     else:
         model, tokenizer = None, load_tokenizer(source, request.model.trust_remote_code)
     return Surgery(family, model, tokenizer, source_windows(tokenizer, request.calibration, anatomy), started, device)
+
+
+def start_streamed(request, source, anatomy: AttentionAnatomy, recipe: Recipe) -> tuple[Surgery, PretrainedConfig, torch.dtype]:
+    """A surgery that reads the source one decoder layer at a time: refused with a heal step (healing holds the
+    whole model) or a source that is not a safetensors directory; its tokenizer and windows, the source's
+    config and the dtype the output is written in (the source's)."""
+    if recipe.heal is not None:
+        raise UserError("healing needs the whole model in memory; run with stream: false, or heal afterwards with "
+                        "`attnsurg heal`")
+    if source.kind not in ("dir", "builtin"):
+        raise UserError(f"--stream reads a local safetensors checkpoint directory, and '{request.model.ref}' is a "
+                        f"{source.kind} source; convert it to a directory first, or drop --stream")
+    surgery = start_surgery(request, source, anatomy, load_weights=False)
+    config = load_config(source, request.model.trust_remote_code)
+    return surgery, config, DTYPES.get(str(config.dtype or "float32").removeprefix("torch."), torch.float32)
+
+
+def generation_config(source_path: str, config) -> GenerationConfig:
+    """The source's generation settings (eos and the like), or those its config implies."""
+    try:
+        return GenerationConfig.from_pretrained(source_path)
+    except OSError:
+        return GenerationConfig.from_model_config(config)
+
+
+def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: Surgery, info: CardInfo,
+                    recipe: Recipe, extra_files: dict[str, str] | None = None) -> None:
+    """Config, generation settings, tokenizer, card and recipe beside the streamed shards."""
+    written.save_pretrained(staging)
+    generation_config(source.path, written).save_pretrained(staging)
+    info.license = source_license(recipe.model.ref)
+    info.details.append("written one decoder layer at a time (`--stream`); not scored here: score it with "
+                        "`attnsurg eval perplexity SOURCE THIS --dataset all`")
+    finish_staging(staging, surgery.tokenizer, info, {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})})
 
 
 OPERATED_DIR = "operated"  # inside the heal state directory: the surgery's result, kept until healing is written

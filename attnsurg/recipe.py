@@ -287,6 +287,14 @@ class LowRankSettings(Strict):
     kv_latent: bool = False
     allocate: bool = False
     weighted: bool | None = None
+    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
+
+    @model_validator(mode="after")
+    def _stream_with_uniform_ranks(self):
+        if self.stream and self.allocate:
+            raise ValueError("allocate needs every layer's spectrum before the first rank is chosen, so it does not "
+                             "stream; drop allocate or stream")
+        return self
 
 
 class HeadTensorSettings(Strict):

@@ -6,8 +6,8 @@
 Each model's checkpoint is made by benchmarks/synthetic_checkpoint.py (random bf16 weights with the real
 config; ``--layers`` keeps the first N layers). Each method runs as its own `attnsurg` process with
 `--eval-tokens 0` (cost only: random weights have no quality to measure): `convert --to mla --kv-budget 0.5
---stream` (one source layer in memory at a time) and `compress --method svdllm --ratio 0.5` (still loads the
-whole source in float32). Peak memory is the process's peak resident set; per-layer
+--stream` and `compress --method svdllm --ratio 0.5 --stream` (each one source layer in memory at a time).
+Peak memory is the process's peak resident set; per-layer
 time is the surgery's own time (calibration, fit and refinement; not loading or writing) over the layers.
 Prints one markdown table and writes results/scale.json.
 """
@@ -27,7 +27,7 @@ from common import write_result  # noqa: E402  (benchmarks/ is on the path when 
 
 COMMANDS = {
     "mla": ["convert", "--to", "mla", "--kv-budget", "0.5", "--stream"],
-    "svdllm": ["compress", "--method", "svdllm", "--ratio", "0.5"],
+    "svdllm": ["compress", "--method", "svdllm", "--ratio", "0.5", "--stream"],
 }
 
 

@@ -65,6 +65,6 @@ def test_convert_stream_writes_the_checkpoint_convert_writes(tiny_checkpoints, c
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-3, atol=1e-3)
     assert {p.name for p in (tmp_path / "loaded").iterdir()} == {p.name for p in (tmp_path / "streamed").iterdir()}
-    assert "converted one decoder layer at a time" in (tmp_path / "streamed" / "README.md").read_text()
+    assert "written one decoder layer at a time" in (tmp_path / "streamed" / "README.md").read_text()
     refused = runner.invoke(app, common + ["--stream", "--short-prompts", "0.25", "-o", str(tmp_path / "never")])
     assert refused.exit_code == 2 and "--short-prompts" in refused.output and not (tmp_path / "never").exists()

@@ -78,6 +78,11 @@ def compress(
         bool, typer.Option("--stacked", metavar="", help="Tucker: q, k, v, o of a layer in one decomposition, factors shared "
                            "across heads and projections (TensorLLM); --ranks head_dim,hidden.")
     ] = False,
+    stream: Annotated[
+        bool, typer.Option("--stream", metavar="", help="svd, asvd, svdllm: one source layer in memory at a time, written "
+                           "straight to the output (models larger than memory; needs a local safetensors directory; "
+                           "uniform ranks; nothing scored).")
+    ] = False,
     calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
@@ -124,6 +129,7 @@ def compress(
         from attnsurg.methods.loki import parse_top_k
 
         reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--ratio": ratio is not None, "--stacked": stacked,
+                                "--stream": stream,
                                 "--ranks": ranks is not None, "--targets": targets != "q,k,v,o",
                                 "--weighted/--unweighted": weighted is not None})
         common.pop("targets"), common.pop("ratio")
@@ -134,7 +140,8 @@ def compress(
     if top_k is not None or basis != "post-rope" or variance is not None:
         raise UserError(f"--top-k, --basis and --variance are for --method loki, not {method}")
     if method in TENSOR_METHODS:
-        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--stacked": stacked and method != "tucker"})
+        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--stacked": stacked and method != "tucker",
+                                "--stream": stream})
         if method == "tucker" and rank is not None:
             modes = "head_dim,hidden (e.g. --ranks 64,200)" if stacked else "heads,head_dim,hidden (e.g. --ranks 9,48,160)"
             raise UserError(f"tucker takes one rank per mode: --ranks {modes}")
@@ -147,7 +154,11 @@ def compress(
         reject_options(method, {"--stacked": stacked})
         if ranks is not None:
             raise UserError(f"--ranks is for tucker; {method} takes one rank: --rank R")
-        request = CompressLowRank(**common, rank=rank, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
+        if stream and allocate:
+            raise UserError("--allocate needs every layer's spectrum before the first rank is chosen, so it does not "
+                            "stream; drop --allocate or --stream")
+        request = CompressLowRank(**common, rank=rank, kv_latent=kv_latent, allocate=allocate, weighted=weighted,
+                                  stream=stream)
     execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output, device)
 
 

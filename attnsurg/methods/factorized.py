@@ -4,16 +4,17 @@ with some modules replaced as ``config.attnsurg`` records (see :mod:`attnsurg.mo
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.families import Family
 from attnsurg.modeling import auto_map
 from attnsurg.modeling.modeling_attnsurg import CLASSES
 
 
-def attnsurg_config(source: PreTrainedModel, family: Family, surgery: dict):
+def attnsurg_config(source: PreTrainedModel | PretrainedConfig, family: Family, surgery: dict):
+    """The family's config under attnsurg's model type, recording ``surgery`` (from a model or its config)."""
     config_class, model_class = CLASSES[family.model_type]
-    fields = source.config.to_dict()
+    fields = (source if isinstance(source, PretrainedConfig) else source.config).to_dict()
     for key in ("model_type", "architectures", "auto_map", "transformers_version", "attnsurg"):
         fields.pop(key, None)
     config = config_class(**fields, attnsurg=surgery)

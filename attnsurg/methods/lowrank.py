@@ -431,17 +431,21 @@ def allocation_floors(units: list[Unit], uniform: list[int | None]) -> list[int]
 # --- assembly ---------------------------------------------------------------------------------------------
 
 
+def unit_state(unit: Unit, family: Family, down: torch.Tensor, up: torch.Tensor,
+               bias: torch.Tensor | None) -> dict[str, dict[str, torch.Tensor]]:
+    """Module path -> the tensors it holds once the unit is factorized (an empty dict: the module is gone)."""
+    prefix = f"{family.layers_path}.{unit.layer}.{family.attention_attr}."
+    up_state = {"weight": up} if bias is None else {"weight": up, "bias": bias}
+    if unit.name == "kv":
+        return {prefix + "k_proj": {}, prefix + "v_proj": {}, prefix + "kv_down": {"weight": down}, prefix + "kv_up": up_state}
+    return {prefix + PROJECTIONS[unit.name]: {"down.weight": down, **{f"up.{k}": v for k, v in up_state.items()}}}
+
+
 def assemble(source: PreTrainedModel, family: Family, plan: LowRankPlan, factors: dict[Unit, tuple]) -> PreTrainedModel:
     """The attnsurg model class of the family with the source's weights and the factorized units."""
     replaced: dict[str, dict[str, torch.Tensor]] = {}
     for unit, (down, up, bias) in factors.items():
-        prefix = f"{family.layers_path}.{unit.layer}.{family.attention_attr}."
-        up_state = {"weight": up} if bias is None else {"weight": up, "bias": bias}
-        if unit.name == "kv":
-            replaced.update({prefix + "k_proj": {}, prefix + "v_proj": {}, prefix + "kv_down": {"weight": down},
-                             prefix + "kv_up": up_state})
-        else:
-            replaced[prefix + PROJECTIONS[unit.name]] = {"down.weight": down, **{f"up.{k}": v for k, v in up_state.items()}}
+        replaced.update(unit_state(unit, family, down, up, bias))
     return assemble_factorized(source, family, plan.surgery(family), replaced)
 
 

@@ -1,0 +1,97 @@
+"""Low-rank compression (svd, asvd, svdllm) one decoder layer at a time, for models larger than memory.
+
+The same factorization as ``lowrank.compress`` with uniform ranks: each decoder layer is read from the
+checkpoint in float32 (``io.lazy``), its attention-input and o_proj-input statistics come from the calibration
+windows' residual stream carried from the embeddings through the original layers before it (what one hooked
+pass of the loaded model gives), its factors are fitted in float64 and written straight to the output shards
+(``io.shards``) with the rest of the layer in the output dtype. Memory holds one source layer, the stream and
+at most one shard of finished tensors. ``--allocate`` needs every layer's spectrum before the first rank is
+chosen, so it does not stream.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from attnsurg.arch.families import Family
+from attnsurg.calibrate import streamed_layers
+from attnsurg.io.lazy import CheckpointReader, rotary_embedding
+from attnsurg.io.shards import ShardWriter
+from attnsurg.methods.factorized import attnsurg_config
+from attnsurg.methods.lowrank import LayerContext, LowRankPlan, decompose, unit_state
+from attnsurg.modeling.modeling_attnsurg import CLASSES
+
+
+def planned_tensors(config: PretrainedConfig, family: Family, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The output checkpoint's tensors as meta tensors: what the family's attnsurg model saves."""
+    with torch.device("meta"):
+        model = CLASSES[family.model_type][1](config).to(dtype)
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+@torch.no_grad()
+def compress_streamed(
+    reader: CheckpointReader,
+    source_config: PretrainedConfig,
+    family: Family,
+    windows: torch.Tensor,
+    plan: LowRankPlan,
+    output: Path,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str = "5GB",
+    progress=None,
+    device: torch.device | None = None,
+) -> tuple[PretrainedConfig, list[float]]:
+    """Write the compressed model's weights into ``output`` (shards and index; the caller adds config and
+    tokenizer); return its config and each unit's relative truncation energy."""
+    if plan.allocate:
+        raise ValueError("allocated ranks need every layer's spectrum first; stream with uniform ranks")
+    config = attnsurg_config(source_config, family, plan.surgery(family))
+    config.dtype = str(dtype).removeprefix("torch.")
+    writer = ShardWriter(output, planned_tensors(config, family, dtype), max_shard_size)
+    top = family.layers_path.rsplit(".", 1)[0]  # "model"
+    embed = reader.tensor(f"{top}.embed_tokens.weight")
+    stream = embed[windows].float()
+    writer.add(f"{top}.embed_tokens.weight", embed)
+    del embed
+    writer.add(f"{top}.norm.weight", reader.tensor(f"{top}.norm.weight", dtype))
+    if not config.tie_word_embeddings:
+        head = "lm_head.weight" if "lm_head.weight" in reader.weight_map else f"{top}.embed_tokens.weight"
+        writer.add("lm_head.weight", reader.tensor(head, dtype))
+    inv_freq = rotary_embedding(source_config).inv_freq
+    errors = []
+    hooked = (family.attention_attr, f"{family.attention_attr}.{family.o_proj}")
+    for index, layer, (x, o) in streamed_layers(reader, source_config, family, stream, hooked, device):
+        context = LayerContext(getattr(layer, family.attention_attr), x.offloaded(), o.offloaded(), inv_freq,
+                               source_config.num_attention_heads, source_config.num_key_value_heads, windows.shape[1])
+        replaced: dict[str, dict[str, torch.Tensor]] = {}
+        for unit, rank in zip(plan.units, plan.ranks, strict=True):
+            if unit.layer != index:
+                continue
+            if rank is None:  # kept dense
+                errors.append(0.0)
+                continue
+            decomposition = decompose(unit, context, plan.method, plan.weighted)
+            replaced.update(unit_state(unit, family, *decomposition.factors(rank), decomposition.bias))
+            errors.append(decomposition.relative_error(rank))
+        write_layer(writer, f"{family.layers_path}.{index}.", layer, replaced)
+        if progress:
+            progress()
+    writer.finish()
+    return config, errors
+
+
+def write_layer(writer: ShardWriter, prefix: str, layer: torch.nn.Module, replaced: dict[str, dict[str, torch.Tensor]]) -> None:
+    """One decoder layer: the factorized modules' tensors, and every other tensor of the source layer as it is."""
+    for path, tensors in replaced.items():
+        for name, tensor in tensors.items():
+            writer.add(f"{path}.{name}", tensor)
+    for name, tensor in layer.state_dict().items():
+        if not any((prefix + name).startswith(path + ".") for path in replaced):
+            writer.add(prefix + name, tensor)

@@ -1,0 +1,77 @@
+"""The streamed low-rank compression writes what the in-memory one builds, reading one layer at a time."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_layers, input_statistics
+from attnsurg.io.lazy import CheckpointReader
+from attnsurg.io.load import load_model, resolve_source
+from attnsurg.methods.lowrank import compress, plan_lowrank
+from attnsurg.methods.lowrank_stream import compress_streamed
+
+
+@pytest.mark.parametrize("variant, targets, kv_latent, method", [("llama-gqa", "k,v", True, "svdllm"),
+                                                                ("qwen2", "q,k,v,o", False, "asvd"),
+                                                                ("qwen3", "k,v", True, "svdllm")])
+def test_streamed_compression_equals_the_in_memory_one(variant, targets, kv_latent, method, tiny_checkpoints, tmp_path):
+    source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant])
+    source.save_pretrained(tmp_path / "source", max_shard_size="60KB")  # sharded: layers span files
+    family = family_for_surgery(source.config.model_type)
+    windows = torch.randint(0, source.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    plan = plan_lowrank(inspect_config(source.config), method, targets, ratio=0.5, kv_latent=kv_latent)
+    attentions = attention_layers(source, family)
+    stats = input_statistics(source, attentions + [a.o_proj for a in attentions], windows)
+    in_memory = compress(source, family, list(zip(stats[:2], stats[2:])), plan, windows.shape[1])
+    out = tmp_path / "streamed"
+    out.mkdir()
+    config, errors = compress_streamed(CheckpointReader(tmp_path / "source"), source.config, family, windows, plan, out,
+                                       max_shard_size="60KB")
+    config.save_pretrained(out)
+    streamed = load_model(resolve_source(str(out)))
+    assert type(streamed) is type(in_memory.model) and errors == pytest.approx(in_memory.errors, rel=1e-6, abs=1e-12)
+    ids = torch.randint(0, source.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, in_memory.model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_streamed_output_is_written_in_the_dtype_asked(tiny_checkpoints, tmp_path):
+    source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
+    source.save_pretrained(tmp_path / "source")
+    plan = plan_lowrank(inspect_config(source.config), "svdllm", "k,v", ratio=0.5, kv_latent=True)
+    windows = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    (tmp_path / "out").mkdir()
+    config, _ = compress_streamed(CheckpointReader(tmp_path / "source"), source.config, family_for_surgery("llama"),
+                                  windows, plan, tmp_path / "out", dtype=torch.bfloat16)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+        assert "model.layers.0.self_attn.kv_down.weight" in f.keys()
+    assert config.dtype == "bfloat16"
+
+
+def test_compress_stream_writes_the_checkpoint_compress_writes(tiny_checkpoints, corpus_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    runner = CliRunner()
+    common = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "svdllm", "--targets", "k,v", "--kv-latent",
+              "--ratio", "0.5", "--calib-text", str(corpus_file), "--calib-tokens", "512", "--calib-seq-len", "64",
+              "--eval-tokens", "0"]
+    for name, extra in (("loaded", []), ("streamed", ["--stream"])):
+        result = runner.invoke(app, common + extra + ["-o", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+    loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)
+    assert {p.name for p in (tmp_path / "loaded").iterdir()} == {p.name for p in (tmp_path / "streamed").iterdir()}
+    assert "written one decoder layer at a time" in (tmp_path / "streamed" / "README.md").read_text()
+    loki = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "loki", "--rank", "8", "--top-k", "0.25"]
+    for args, fragment in ((common + ["--allocate"], "--allocate"), (loki, "--stream does not apply")):
+        refused = runner.invoke(app, args + ["--stream", "-o", str(tmp_path / "never")])
+        assert refused.exit_code == 2 and fragment in refused.output and not (tmp_path / "never").exists(), refused.output

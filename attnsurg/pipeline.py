@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.arch.unfuse import UNFUSED_AS, unfused_model
 from attnsurg.calibrate import calibration_windows
 from attnsurg.data import parse_datasets
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
@@ -40,7 +41,7 @@ def peak_memory_gb() -> float:
 def load_source(ref: ModelRef, source) -> tuple[PreTrainedModel, object]:
     """The source model in float32 on the CPU (decompositions run in float64 from it) and its tokenizer."""
     with ui.status(f"Loading {ref.ref}..."):
-        model = load_model(source, torch.float32, "cpu", ref.trust_remote_code, ref.allow_pickle)
+        model = unfused_model(load_model(source, torch.float32, "cpu", ref.trust_remote_code, ref.allow_pickle))
         tokenizer = load_tokenizer(source, ref.trust_remote_code)
     return model, tokenizer
 
@@ -229,6 +230,9 @@ def start_streamed(request, source, anatomy: AttentionAnatomy, recipe: Recipe) -
     if recipe.heal is not None:
         raise UserError("healing needs the whole model in memory; run with stream: false, or heal afterwards with "
                         "`attnsurg heal`")
+    if anatomy.model_type in UNFUSED_AS:
+        raise UserError(f"--stream reads layers as stored, and {anatomy.model_type}'s fused projections are split "
+                        "only on a whole-model load; drop --stream")
     if source.kind not in ("dir", "builtin"):
         raise UserError(f"--stream reads a local safetensors checkpoint directory, and '{request.model.ref}' is a "
                         f"{source.kind} source; convert it to a directory first, or drop --stream")

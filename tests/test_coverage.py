@@ -13,7 +13,7 @@ def test_supported_families_are_exact_and_refusals_name_the_feature():
     matrix = support_matrix()
     assert set(matrix) == set(FAMILY_CONFIGS)
     for family in ("Llama 2 / SmolLM (llama)", "Llama 3.x (llama3 RoPE scaling)", "Mistral", "Qwen2 / Qwen2.5 (q/k/v biases)",
-                   "Qwen3 (q/k norms)"):
+                   "Qwen3 (q/k norms)", "Phi-3 (fused qkv)"):
         row = matrix[family]
         assert all(row[m] == "exact" for m in row if m != "mla")
         family_for_surgery(FAMILY_CONFIGS[family]().model_type)  # a surgery adapter exists for it
@@ -22,7 +22,7 @@ def test_supported_families_are_exact_and_refusals_name_the_feature():
         else:
             assert row["mla"].startswith("exact with --format exact")
     blocked = {"Gemma 2 (sliding layers, soft-capping)": "soft-capping",
-               "Gemma 3 (q/k norms, sliding layers)": "sliding-window", "Phi-3 (fused qkv)": "fused qkv"}
+               "Gemma 3 (q/k norms, sliding layers)": "sliding-window"}
     for family, feature in blocked.items():
         assert all(cell.startswith("refused: ") and feature in cell for cell in matrix[family].values()), matrix[family]
 

@@ -36,6 +36,7 @@ from attnsurg.analyze.run import head_projections
 from attnsurg.analyze.sparsity import attention_probabilities, top_mass
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.arch.unfuse import unfused_model
 from attnsurg.calibrate import attention_layers, calibration_windows, captured_inputs, causal_mask, input_statistics
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
@@ -279,7 +280,8 @@ def load_context(request: PlanRequest) -> PlanContext:
     family = family_for_surgery(anatomy.model_type)
     device = resolve_device(request.device)
     with ui.status(f"Loading {request.model.ref}..."):
-        model = load_model(source, torch.float32, "cpu", request.model.trust_remote_code, request.model.allow_pickle)
+        model = unfused_model(load_model(source, torch.float32, "cpu", request.model.trust_remote_code,
+                                         request.model.allow_pickle))
         tokenizer = load_tokenizer(source, request.model.trust_remote_code)
     calibration: Calibration = request.calibration
     seq_len = min(calibration.seq_len, anatomy.max_positions or calibration.seq_len)

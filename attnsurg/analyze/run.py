@@ -33,6 +33,7 @@ from attnsurg.analyze.spectra import (
 )
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.arch.unfuse import unfused_model
 from attnsurg.calibrate import attention_layers, calibration_windows, run_with_input_hooks
 from attnsurg.errors import UserError
 from attnsurg.info import inspect_model
@@ -216,7 +217,8 @@ def check_request(request: AnalyzeRequest | ApproxRequest) -> Checked:
 def load_for_analysis(request: AnalyzeRequest | ApproxRequest, checked: Checked, tokens: int) -> Loaded:
     source, anatomy = checked.source, checked.anatomy
     with ui.status(f"Loading {request.model.ref}..."):
-        model = load_model(source, torch.float32, "cpu", request.model.trust_remote_code, request.model.allow_pickle)
+        model = unfused_model(load_model(source, torch.float32, "cpu", request.model.trust_remote_code,
+                                         request.model.allow_pickle))
         tokenizer = load_tokenizer(source, request.model.trust_remote_code)
     seq_len = min(request.seq_len, anatomy.max_positions or request.seq_len)
     return Loaded(model, anatomy, checked.family,

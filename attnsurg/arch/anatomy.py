@@ -48,6 +48,8 @@ class AttentionAnatomy:
     mla: dict[str, int] = field(default_factory=dict)
     kv_layer_values: tuple[int, ...] = ()  # per layer, where layers differ (low-rank k/v latents)
     surgery: dict = field(default_factory=dict)  # config.attnsurg of a checkpoint attnsurg wrote
+    fused_qkv: bool = False  # q, k and v in one projection (Phi-3)
+    logit_softcap: float | None = None  # attention scores soft-capped at this value (Gemma 2)
 
     @property
     def kv_values_per_token(self) -> int:
@@ -198,4 +200,6 @@ def inspect_config(config: PretrainedConfig, trust_remote_code: bool = False) ->
         mla=mla,
         kv_layer_values=layer_values,
         surgery=dict(getattr(config, "attnsurg", None) or {}),
+        fused_qkv=hasattr(attn, "qkv_proj"),
+        logit_softcap=getattr(config, "attn_logit_softcapping", None),
     )

@@ -38,6 +38,7 @@ SURGERY_FAMILIES: dict[str, Family] = {
         Family("mistral", "Mistral"),
         Family("qwen2", "Qwen2"),
         Family("qwen3", "Qwen3"),
+        Family("phi3", "Phi-3 (fused projections split on load, as Mistral)"),
     )
 }
 
@@ -51,12 +52,9 @@ def supported_names() -> str:
     return ", ".join(f"{f.label} ({f.model_type})" for f in SURGERY_FAMILIES.values())
 
 
-LAYOUT_FEATURES = {"phi3": "a fused qkv projection", "gemma2": "attention logit soft-capping"}  # not in the anatomy
-
-
 def blocking_features(anatomy) -> str:
     """What in an unsupported family's attention attnsurg does not handle yet, in words."""
-    features = [LAYOUT_FEATURES[anatomy.model_type]] if anatomy.model_type in LAYOUT_FEATURES else []
+    features = ["attention logit soft-capping"] if anatomy.logit_softcap else []
     if anatomy.qk_norm:
         features.append("per-head q/k norms")
     if anatomy.sliding_window:

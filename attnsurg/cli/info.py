@@ -76,6 +76,8 @@ def info_table(record: dict) -> Table:
         ("RoPE", rope),
         ("biases", biases),
         ("q/k norms", _yes_no(a["qk_norm"])),
+        ("fused q/k/v projection", _yes_no(a["fused_qkv"])),
+        ("attention soft-capping", f"{a['logit_softcap']:g}" if a["logit_softcap"] else "none"),
         ("sliding window", window),
         ("max positions", str(a["max_positions"])),
         ("tied embeddings", _yes_no(a["tied_embeddings"])),

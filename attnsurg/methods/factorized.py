@@ -6,34 +6,33 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from attnsurg.arch.families import Family
 from attnsurg.modeling import auto_map
 from attnsurg.modeling.modeling_attnsurg import CLASSES
 
 
-def attnsurg_config(source: PreTrainedModel | PretrainedConfig, family: Family, surgery: dict):
-    """The family's config under attnsurg's model type, recording ``surgery`` (from a model or its config)."""
-    config_class, model_class = CLASSES[family.model_type]
+def attnsurg_config(source: PreTrainedModel | PretrainedConfig, surgery: dict):
+    """The source family's config under attnsurg's model type, recording ``surgery`` (from a model or its config)."""
     fields = (source if isinstance(source, PretrainedConfig) else source.config).to_dict()
+    base = fields["model_type"]  # the loaded form's family (Phi-3 loads as Mistral)
+    config_class, model_class = CLASSES[base]
     for key in ("model_type", "architectures", "auto_map", "transformers_version", "attnsurg"):
         fields.pop(key, None)
     config = config_class(**fields, attnsurg=surgery)
-    config.auto_map = auto_map(family.model_type)
+    config.auto_map = auto_map(base)
     config.architectures = [model_class.__name__]
     return config
 
 
 def assemble_factorized(
     source: PreTrainedModel,
-    family: Family,
     surgery: dict,
     replaced: dict[str, dict[str, torch.Tensor]],
     added: dict[str, torch.Tensor] | None = None,
 ) -> PreTrainedModel:
     """The attnsurg model with the source's weights, where each module path in ``replaced`` loses its old
     tensors and takes the given ones (names relative to the module), plus ``added`` tensors (full names)."""
-    config = attnsurg_config(source, family, surgery)
-    model = CLASSES[family.model_type][1](config).to(source.dtype)
+    config = attnsurg_config(source, surgery)
+    model = CLASSES[source.config.model_type][1](config).to(source.dtype)
     state = source.state_dict()
     for path, tensors in replaced.items():
         for key in [k for k in state if k.startswith(path + ".")]:

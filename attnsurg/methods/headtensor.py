@@ -347,5 +347,5 @@ def compress_head_tensor(
             progress()
     warn_unconverged(unconverged, len(errors), f"{plan.method} decompositions", f"{MAX_ITERATIONS} iterations",
                      decomposer.TOLERANCE)
-    model = assemble_factorized(source, family, plan.surgery(family), replaced)
+    model = assemble_factorized(source, plan.surgery(family), replaced)
     return HeadTensorResult(model, plan, errors, unconverged)

@@ -136,7 +136,7 @@ def apply_loki(source: PreTrainedModel, family: Family, stats: list[InputStatist
         replaced[f"{family.layers_path}.{index}.{family.attention_attr}.loki_basis"] = bases
         ranks.append(rank_for_variance(energies, plan.variance) if plan.variance is not None else plan.rank)
     plan.ranks = ranks
-    return assemble_factorized(source, family, plan.surgery(), {}, added=replaced)
+    return assemble_factorized(source, plan.surgery(), {}, added=replaced)
 
 
 def has_loki(model: PreTrainedModel) -> bool:

@@ -446,7 +446,7 @@ def assemble(source: PreTrainedModel, family: Family, plan: LowRankPlan, factors
     replaced: dict[str, dict[str, torch.Tensor]] = {}
     for unit, (down, up, bias) in factors.items():
         replaced.update(unit_state(unit, family, down, up, bias))
-    return assemble_factorized(source, family, plan.surgery(family), replaced)
+    return assemble_factorized(source, plan.surgery(family), replaced)
 
 
 @dataclass

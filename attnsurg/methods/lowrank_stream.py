@@ -25,10 +25,10 @@ from attnsurg.methods.lowrank import LayerContext, LowRankPlan, decompose, unit_
 from attnsurg.modeling.modeling_attnsurg import CLASSES
 
 
-def planned_tensors(config: PretrainedConfig, family: Family, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The output checkpoint's tensors as meta tensors: what the family's attnsurg model saves."""
+def planned_tensors(config: PretrainedConfig, source_type: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The output checkpoint's tensors as meta tensors: what the source family's attnsurg model saves."""
     with torch.device("meta"):
-        model = CLASSES[family.model_type][1](config).to(dtype)
+        model = CLASSES[source_type][1](config).to(dtype)
     state = model.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight")
@@ -52,9 +52,9 @@ def compress_streamed(
     tokenizer); return its config and each unit's relative truncation energy."""
     if plan.allocate:
         raise ValueError("allocated ranks need every layer's spectrum first; stream with uniform ranks")
-    config = attnsurg_config(source_config, family, plan.surgery(family))
+    config = attnsurg_config(source_config, plan.surgery(family))
     config.dtype = str(dtype).removeprefix("torch.")
-    writer = ShardWriter(output, planned_tensors(config, family, dtype), max_shard_size)
+    writer = ShardWriter(output, planned_tensors(config, source_config.model_type, dtype), max_shard_size)
     top = family.layers_path.rsplit(".", 1)[0]  # "model"
     embed = reader.tensor(f"{top}.embed_tokens.weight")
     stream = embed[windows].float()

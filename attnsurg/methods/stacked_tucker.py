@@ -425,5 +425,5 @@ def compress_stacked_tucker(
         if progress:
             progress()
     warn_unconverged(unconverged, len(errors), "stacked Tucker fits", f"{max_iterations} sweeps", TOLERANCE)
-    model = assemble_factorized(source, family, plan.surgery(family), replaced)
+    model = assemble_factorized(source, plan.surgery(family), replaced)
     return StackedTuckerResult(model, plan, errors, unconverged)

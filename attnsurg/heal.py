@@ -97,7 +97,12 @@ def hold_exactness_constants(model: PreTrainedModel) -> None:
 
 # ---------------------------------------------------------------------------------------- data
 def training_windows(tokenizer, data: TextData, seq_len: int) -> torch.Tensor:
-    """Disjoint ``[n, seq_len]`` windows over the whole training text (the calibration part of a dataset)."""
+    """Disjoint ``[n, seq_len]`` windows over the whole training text (the calibration part of a dataset).
+    Several datasets (a comma list, or ``all``) take turns window by window while each has windows left."""
+    if len(names := data.datasets()) > 1:
+        per_dataset = [training_windows(tokenizer, TextData(dataset=name, part=data.part), seq_len) for name in names]
+        return torch.stack([windows[j] for j in range(max(map(len, per_dataset))) for windows in per_dataset
+                            if j < len(windows)])
     text = load_text(data.dataset, data.text, data.part)
     ids = tokenizer(text.text, add_special_tokens=False)["input_ids"]
     n = len(ids) // seq_len
@@ -362,7 +367,7 @@ def held_out_windows(tokenizer, settings: HealSettings):
     """Scored during training: the start of the training dataset's eval part (a user's file: its start,
     which the training text includes)."""
 
-    return scoring_windows(tokenizer, settings.data, settings.eval_tokens, None)
+    return scoring_windows(tokenizer, settings.data.scored(), settings.eval_tokens, None)
 
 
 def evaluate(accelerator: Accelerator, student, held_out) -> float:

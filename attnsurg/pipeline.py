@@ -54,9 +54,7 @@ def source_windows(tokenizer, calibration: Calibration, anatomy: AttentionAnatom
 def scored_text(calibration: TextData) -> TextData:
     """The text whose eval part is scored first, as "the calibration text": the calibration text itself, or the
     first of several calibration datasets."""
-    if calibration.dataset and calibration.text is None and len(names := parse_datasets(calibration.dataset)) > 1:
-        return TextData(dataset=names[0])
-    return calibration
+    return calibration.scored()
 
 
 def described_data(data: TextData) -> str:

@@ -91,6 +91,17 @@ class TextData(Strict):
             raise ValueError(f"text file '{text}' does not exist")
         return text
 
+    def datasets(self) -> list[str]:
+        """The built-in datasets named (``all`` expanded), in order; empty for a user's file."""
+        from attnsurg.data import parse_datasets
+
+        return parse_datasets(self.dataset) if self.dataset and self.text is None else []
+
+    def scored(self) -> TextData:
+        """The text whose eval part is scored as "this text": itself, or the first of several datasets."""
+        names = self.datasets()
+        return TextData(dataset=names[0]) if len(names) > 1 else self
+
 
 class PerplexityEval(Strict):
     """``attnsurg eval perplexity``: the same windows for every model, scored in one run."""

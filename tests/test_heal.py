@@ -346,3 +346,19 @@ def test_a_heal_run_started_again_reuses_the_operated_model(tiny_checkpoints, tm
     other = request.model_copy(update={"kv_budget": 0.25})
     pipeline.operated_once(operate, other, Recipe.from_request(other, heal=HealSettings()))
     assert runs == [1, 1]
+
+
+def test_several_datasets_take_the_training_windows_in_turn(tokenizer, tmp_path, monkeypatch):
+    from attnsurg.heal import held_out_windows, training_windows
+    from test_cli import fake_assets
+
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
+    fake_assets(tmp_path)
+    alone = {n: training_windows(tokenizer, TextData(dataset=n, part="calib"), 16) for n in ("wiki-sample", "code-sample")}
+    mixed = training_windows(tokenizer, TextData(dataset="wiki-sample,code-sample", part="calib"), 16)
+    short = min(map(len, alone.values()))
+    assert len(mixed) == sum(map(len, alone.values()))
+    assert torch.equal(mixed[: 2 * short: 2], alone["wiki-sample"][:short])
+    assert torch.equal(mixed[1: 2 * short: 2], alone["code-sample"][:short])
+    settings = HealSettings(data=TextData(dataset="all", part="calib"), eval_tokens=64)
+    assert held_out_windows(tokenizer, settings)[0].ids.numel() > 0  # scored on the first dataset's eval part

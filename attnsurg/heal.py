@@ -367,7 +367,7 @@ def held_out_windows(tokenizer, settings: HealSettings):
     """Scored during training: the start of the training dataset's eval part (a user's file: its start,
     which the training text includes)."""
 
-    return scoring_windows(tokenizer, settings.data.scored(), settings.eval_tokens, None)
+    return scoring_windows(tokenizer, settings.data, settings.eval_tokens, None)
 
 
 def evaluate(accelerator: Accelerator, student, held_out) -> float:

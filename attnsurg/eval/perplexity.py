@@ -278,9 +278,10 @@ def eval_windows(tokenizer, data: TextData, max_length: int, max_tokens: int) ->
 
 
 def scoring_windows(tokenizer, data: TextData, eval_tokens: int, max_positions: int | None):
-    """The first ``eval_tokens`` of the data's eval part (a user's file: its start) in windows of up to 1024."""
+    """The first ``eval_tokens`` of the data's eval part (a user's file: its start; of several datasets, the
+    first's) in windows of up to 1024."""
     length = min(1024, eval_tokens, max_positions or 1024)
-    return eval_windows(tokenizer, data.model_copy(update={"part": "eval"}), length, eval_tokens)
+    return eval_windows(tokenizer, data.scored().model_copy(update={"part": "eval"}), length, eval_tokens)
 
 
 def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window], label: str = "in-memory model",

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.arch.families import REPLACEABLE_ATTENTION, Family, family_for_surgery
 from attnsurg.arch.unfuse import UNFUSED_AS, unfused_model
 from attnsurg.calibrate import calibration_windows
 from attnsurg.data import parse_datasets
@@ -228,6 +228,9 @@ def start_streamed(request, source, anatomy: AttentionAnatomy, recipe: Recipe) -
     if recipe.heal is not None:
         raise UserError("healing needs the whole model in memory; run with stream: false, or heal afterwards with "
                         "`attnsurg heal`")
+    if anatomy.model_type not in REPLACEABLE_ATTENTION:
+        raise UserError(f"--stream runs each layer with one RoPE and a causal mask, and {anatomy.model_type} mixes "
+                        "layer types; drop --stream")
     if anatomy.model_type in UNFUSED_AS:
         raise UserError(f"--stream reads layers as stored, and {anatomy.model_type}'s fused projections are split "
                         "only on a whole-model load; drop --stream")

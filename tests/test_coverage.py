@@ -21,10 +21,11 @@ def test_supported_families_are_exact_and_refusals_name_the_feature():
             assert row["mla"] == "fitted: q/k norms linearised, then refined"
         else:
             assert row["mla"].startswith("exact with --format exact")
-    blocked = {"Gemma 2 (sliding layers, soft-capping)": "soft-capping",
-               "Gemma 3 (q/k norms, sliding layers)": "sliding-window"}
-    for family, feature in blocked.items():
-        assert all(cell.startswith("refused: ") and feature in cell for cell in matrix[family].values()), matrix[family]
+    for family in ("Gemma 2 (sliding layers, soft-capping)", "Gemma 3 (q/k norms, sliding layers)"):
+        row = matrix[family]
+        assert all(row[m] == "exact" for m in ("svd", "asvd", "svdllm", "tucker", "cp")), row
+        assert row["loki"].startswith("refused: loki replaces the attention module"), row
+        assert row["mla"] == "refused: sliding-window attention cannot be expressed as MLA", row
 
 
 def test_info_methods_prints_the_matrix_without_a_model():

@@ -39,6 +39,8 @@ SURGERY_FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2"),
         Family("qwen3", "Qwen3"),
         Family("phi3", "Phi-3 (fused projections split on load, as Mistral)"),
+        Family("gemma2", "Gemma 2 (projection methods only)"),
+        Family("gemma3_text", "Gemma 3 text (projection methods only)"),
     )
 }
 
@@ -46,6 +48,21 @@ SURGERY_FAMILIES: dict[str, Family] = {
 OUTPUT_FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3 (multi-head latent attention)"),
 }
+
+
+# Families whose attention module attnsurg's own attention classes can stand in for (latent, factored or top-k
+# attention replace the module). Gemma's attention soft-caps its scores and scales its queries its own way, so
+# there only the projections are factorized and the family's module is kept.
+REPLACEABLE_ATTENTION = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+def kept_attention_reason(anatomy, what: str) -> str | None:
+    """Why ``what`` (a method that replaces the attention module) cannot run on this family, or None."""
+    if anatomy.model_type in REPLACEABLE_ATTENTION:
+        return None
+    return (f"{what} replaces the attention module, and {anatomy.model_type}'s (its own query scale, soft-capping, "
+            "q/k norms) is kept only by methods that factorize projections: svd, asvd, svdllm without --kv-latent, "
+            "tucker and cp without --stacked")
 
 
 def supported_names() -> str:

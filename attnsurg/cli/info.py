@@ -154,7 +154,9 @@ def print_support_matrix(json_output: bool) -> None:
         for name in methods:
             value = row[name]
             if value.startswith("refused: "):
-                notes.setdefault(value.removeprefix("refused: "), []).append(name)
+                refusing = notes.setdefault(value.removeprefix("refused: "), [])
+                if name not in refusing:
+                    refusing.append(name)
                 cells.append("refused")
             else:
                 label = "exact" if value.startswith("exact") else "fitted"

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import Family
+from attnsurg.arch.families import Family, kept_attention_reason
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
@@ -30,7 +30,16 @@ NAME = "loki"
 SUMMARY = "top-k attention with keys scored by their first R principal coordinates (Loki)"
 BASES = ("post-rope", "pre-rope")
 
-register(MethodSpec(NAME, SUMMARY, unsupported_reason))
+
+def loki_unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
+    if reason := unsupported_reason(anatomy) or kept_attention_reason(anatomy, "loki"):
+        return reason
+    if anatomy.sliding_window:
+        return "loki needs full attention in every layer; this model uses a sliding window"
+    return None
+
+
+register(MethodSpec(NAME, SUMMARY, loki_unsupported_reason))
 
 
 @dataclass
@@ -79,7 +88,7 @@ def plan_loki(
     anatomy: AttentionAnatomy, rank: int | None, top_k: int | float | None, basis: str = "post-rope",
     variance: float | None = None,
 ) -> LokiPlan:
-    reason = unsupported_reason(anatomy)
+    reason = loki_unsupported_reason(anatomy)
     if reason:
         raise UserError(f"cannot apply loki to this model: {reason}")
     d = anatomy.head_dim
@@ -93,8 +102,6 @@ def plan_loki(
         raise UserError(f"--top-k must be a count >= 1 or a fraction in (0, 1], got {top_k}")
     if basis not in BASES:
         raise UserError(f"--basis must be one of {', '.join(BASES)}, got '{basis}'")
-    if anatomy.sliding_window:
-        raise UserError("loki needs full attention in every layer; this model uses a sliding window")
     return LokiPlan(rank, top_k, basis, anatomy.num_layers, anatomy.num_kv_heads, d, variance)
 
 

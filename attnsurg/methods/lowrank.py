@@ -32,7 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features
+from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features, kept_attention_reason
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
@@ -158,6 +158,8 @@ def plan_units(anatomy: AttentionAnatomy, targets: tuple[str, ...], kv_latent: b
 def check_latent_support(anatomy: AttentionAnatomy, targets: tuple[str, ...]) -> None:
     if set(targets) != {"k", "v"}:
         raise UserError("--kv-latent compresses k and v together into the cached latent; use --targets k,v")
+    if reason := kept_attention_reason(anatomy, "--kv-latent"):
+        raise UserError(reason)
     if anatomy.sliding_window:
         raise UserError(
             f"--kv-latent needs full attention in every layer; this model uses a sliding window of "
@@ -256,10 +258,14 @@ def head_moments(weight: torch.Tensor, bias: torch.Tensor | None, sigma: torch.T
 
 
 def norm_scale(attn, projection: str) -> torch.Tensor | None:
-    """The per-dimension weight of the attention's RMSNorm on each query or key head (``q_norm``/``k_norm``,
-    Qwen3), or None where the family has none."""
+    """The per-dimension gain of the attention's RMSNorm on each query or key head (``q_norm``/``k_norm``:
+    Qwen3's weight, Gemma 3's 1 + weight), or None where the family has none: the norm of a vector of ones,
+    whose RMS is one."""
     norm = getattr(attn, f"{projection}_norm", None)
-    return None if norm is None else norm.weight.detach().double()
+    if norm is None:
+        return None
+    with torch.no_grad():
+        return norm(torch.ones(1, norm.weight.shape[-1], dtype=norm.weight.dtype, device=norm.weight.device))[0].double().cpu()
 
 
 def attention_moments(attn, projection: str, sigma: torch.Tensor, heads: int) -> list[torch.Tensor]:
@@ -456,14 +462,22 @@ class LowRankResult:
     errors: list[float] = field(default_factory=list)  # per unit: relative truncation energy (weighted metric)
 
 
+def layer_inv_freq(rotary: torch.nn.Module, config, index: int) -> torch.Tensor:
+    """The RoPE frequencies of layer ``index`` (Gemma 3 keeps one set per layer type)."""
+    types = getattr(config, "layer_types", None)
+    if types and hasattr(rotary, f"{types[index]}_inv_freq"):
+        return getattr(rotary, f"{types[index]}_inv_freq")
+    return rotary.inv_freq
+
+
 def layer_contexts(source: PreTrainedModel, family: Family, stats, seq_len: int) -> list[LayerContext]:
     config = source.config
-    inv_freq = source.get_submodule(family.rotary_path).inv_freq
+    rotary = source.get_submodule(family.rotary_path)
     layers = source.get_submodule(family.layers_path)
     return [
-        LayerContext(getattr(layer, family.attention_attr), x, o, inv_freq, config.num_attention_heads,
-                     config.num_key_value_heads, seq_len)
-        for layer, (x, o) in zip(layers, stats)
+        LayerContext(getattr(layer, family.attention_attr), x, o, layer_inv_freq(rotary, config, index),
+                     config.num_attention_heads, config.num_key_value_heads, seq_len)
+        for index, (layer, (x, o)) in enumerate(zip(layers, stats))
     ]
 
 

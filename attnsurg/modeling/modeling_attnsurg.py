@@ -30,6 +30,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -603,10 +607,30 @@ class AttnsurgQwen3ForCausalLM(SurgeryMixin, Qwen3ForCausalLM):
     config_class = AttnsurgQwen3Config
 
 
+class AttnsurgGemma2Config(Gemma2Config):
+    model_type = "attnsurg_gemma2"
+    attnsurg: dict | None = None
+
+
+class AttnsurgGemma2ForCausalLM(SurgeryMixin, Gemma2ForCausalLM):
+    config_class = AttnsurgGemma2Config
+
+
+class AttnsurgGemma3TextConfig(Gemma3TextConfig):
+    model_type = "attnsurg_gemma3_text"
+    attnsurg: dict | None = None
+
+
+class AttnsurgGemma3ForCausalLM(SurgeryMixin, Gemma3ForCausalLM):
+    config_class = AttnsurgGemma3TextConfig
+
+
 # model_type of the base family -> (config class, model class) of its attnsurg form
 CLASSES = {
     "llama": (AttnsurgLlamaConfig, AttnsurgLlamaForCausalLM),
     "mistral": (AttnsurgMistralConfig, AttnsurgMistralForCausalLM),
     "qwen2": (AttnsurgQwen2Config, AttnsurgQwen2ForCausalLM),
     "qwen3": (AttnsurgQwen3Config, AttnsurgQwen3ForCausalLM),
+    "gemma2": (AttnsurgGemma2Config, AttnsurgGemma2ForCausalLM),
+    "gemma3_text": (AttnsurgGemma3TextConfig, AttnsurgGemma3ForCausalLM),
 }

@@ -1,0 +1,67 @@
+"""Gemma 2 and 3: the projection methods factorize q, k, v and o inside the family's own attention (soft-capping,
+query scale, q/k norms and sliding layers kept); methods that replace the attention module refuse with the reason."""
+
+import pytest
+import torch
+from transformers import Gemma2Config, Gemma3TextConfig, AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from attnsurg.cli import app
+from attnsurg.io.load import load_model, resolve_source
+
+from test_lowrank import remote_code_matches_attnsurg
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=384, pad_token_id=0, eos_token_id=0, bos_token_id=0, sliding_window=24)
+CONFIGS = {"gemma2": lambda: Gemma2Config(**SMALL, query_pre_attn_scalar=20),
+           "gemma3": lambda: Gemma3TextConfig(**SMALL, layer_types=["sliding_attention", "full_attention"])}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def gemma_checkpoint(request, tmp_path_factory, tokenizer):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[request.param]()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(-0.5, 1.0)  # Gemma's norms scale by 1 + weight
+    path = tmp_path_factory.mktemp(request.param) / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def compressed(checkpoint, corpus_file, out, *args):
+    return CliRunner().invoke(app, ["compress", str(checkpoint), *args, "--calib-text", str(corpus_file), "--calib-tokens",
+                                    "512", "--calib-seq-len", "64", "--eval-tokens", "0", "-o", str(out)])
+
+
+@pytest.mark.parametrize("args", [["--method", "svdllm", "--targets", "q,o", "--rank", "64"],
+                                  ["--method", "asvd", "--targets", "k,v", "--rank", "32"],
+                                  ["--method", "tucker", "--targets", "q", "--ranks", "4,16,64"]],
+                         ids=["svdllm-q,o", "asvd-k,v", "tucker-q"])
+def test_full_budget_reproduces_the_logits_beyond_the_sliding_window(gemma_checkpoint, corpus_file, tmp_path, args):
+    result = compressed(gemma_checkpoint, corpus_file, tmp_path / "out", *args)
+    assert result.exit_code == 0, result.output
+    ids = torch.randint(0, 384, (1, 48), generator=torch.Generator().manual_seed(2))  # 48 > the window of 24
+    with torch.no_grad():
+        written = load_model(resolve_source(str(tmp_path / "out")))(ids).logits
+        torch.testing.assert_close(written, load_model(resolve_source(str(gemma_checkpoint)))(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_compressed_gemma_loads_alike_with_remote_code(gemma_checkpoint, corpus_file, tmp_path):
+    result = compressed(gemma_checkpoint, corpus_file, tmp_path / "out", "--method", "svdllm", "--ratio", "0.5")
+    assert result.exit_code == 0, result.output
+    assert remote_code_matches_attnsurg(tmp_path / "out", tmp_path)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--method", "svdllm", "--targets", "k,v", "--kv-latent", "--ratio", "0.5"], "--kv-latent replaces the attention module"),
+    (["--method", "tucker", "--stacked", "--ratio", "0.5"], "--stacked replaces the attention module"),
+    (["--method", "loki", "--rank", "8", "--top-k", "0.25"], "loki replaces the attention module"),
+])
+def test_methods_that_replace_the_attention_refuse_with_the_reason(gemma_checkpoint, corpus_file, tmp_path, args, fragment):
+    result = compressed(gemma_checkpoint, corpus_file, tmp_path / "never", *args)
+    assert result.exit_code == 2 and fragment in result.output and not (tmp_path / "never").exists(), result.output

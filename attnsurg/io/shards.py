@@ -18,6 +18,17 @@ from safetensors.torch import save_file
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def planned_tensors(model_class: type, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors a ``model_class`` checkpoint of ``config`` saves, as meta tensors in ``dtype`` (a tied output
+    head is not saved)."""
+    with torch.device("meta"):
+        model = model_class(config).to(dtype)
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
 class ShardWriter:
     """Shards of the tensors ``planned`` (name -> a tensor of the final shape and dtype, meta is enough) in
     ``directory``; ``add`` each tensor once, then ``finish``."""

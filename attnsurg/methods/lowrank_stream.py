@@ -19,20 +19,10 @@ from transformers import PretrainedConfig
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import streamed_layers
 from attnsurg.io.lazy import CheckpointReader, rotary_embedding
-from attnsurg.io.shards import ShardWriter
+from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.factorized import attnsurg_config
 from attnsurg.methods.lowrank import LayerContext, LowRankPlan, decompose, unit_state
 from attnsurg.modeling.modeling_attnsurg import CLASSES
-
-
-def planned_tensors(config: PretrainedConfig, source_type: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The output checkpoint's tensors as meta tensors: what the source family's attnsurg model saves."""
-    with torch.device("meta"):
-        model = CLASSES[source_type][1](config).to(dtype)
-    state = model.state_dict()
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    return state
 
 
 @torch.no_grad()
@@ -54,7 +44,7 @@ def compress_streamed(
         raise ValueError("allocated ranks need every layer's spectrum first; stream with uniform ranks")
     config = attnsurg_config(source_config, plan.surgery(family))
     config.dtype = str(dtype).removeprefix("torch.")
-    writer = ShardWriter(output, planned_tensors(config, source_config.model_type, dtype), max_shard_size)
+    writer = ShardWriter(output, planned_tensors(CLASSES[source_config.model_type][1], config, dtype), max_shard_size)
     top = family.layers_path.rsplit(".", 1)[0]  # "model"
     embed = reader.tensor(f"{top}.embed_tokens.weight")
     stream = embed[windows].float()

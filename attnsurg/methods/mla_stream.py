@@ -19,21 +19,11 @@ from transformers import DeepseekV3ForCausalLM, PretrainedConfig
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import streamed_layers
 from attnsurg.io.lazy import CheckpointReader, rotary_embedding
-from attnsurg.io.shards import ShardWriter
+from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.mla import (
     HELD_OUT_SHARE, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state,
     deepseek_config, fit_layer, padded_heads,
 )
-
-
-def planned_tensors(config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The output checkpoint's tensors as meta tensors: what transformers' DeepseekV3 model saves."""
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config).to(dtype)
-    state = model.state_dict()
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    return state
 
 
 @torch.no_grad()
@@ -59,7 +49,7 @@ def convert_streamed(
     config.dtype = str(dtype).removeprefix("torch.")
     fitted = deepseek_config(source_config, plan.fitted, rotary.inv_freq)
     fitted._attn_implementation = "sdpa"
-    writer = ShardWriter(output, planned_tensors(config, dtype), max_shard_size)
+    writer = ShardWriter(output, planned_tensors(DeepseekV3ForCausalLM, config, dtype), max_shard_size)
     top = family.layers_path.rsplit(".", 1)[0]  # "model"
     embed = reader.tensor(f"{top}.embed_tokens.weight")  # as stored: no float32 copy of the vocabulary
     stream = embed[windows].float()  # the original model's residual stream on every calibration window

@@ -99,9 +99,9 @@ def test_left_truncation_keeps_the_continuation(tokenizer):
     assert short.logprob == pytest.approx(same.logprob, abs=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2", "qwen3"])
 def test_greedy_generation_with_the_cache_matches_transformers(tokenizer, variant):
-    family = {"llama-gqa": "llama", "qwen2": "qwen2"}[variant]
+    family = {"llama-gqa": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[variant]
     model = build_tiny(family, len(tokenizer), num_key_value_heads=2)
     prompt = encode(tokenizer, "The grass is green. The sky is")
     ours = greedy_generate(model, prompt, 6)

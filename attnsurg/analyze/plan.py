@@ -49,6 +49,7 @@ from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan
 from attnsurg.pipeline import Surgery
 from attnsurg.placement import on_device
 from attnsurg.recipe import (
+    EVAL_DOMAINS,
     REQUEST_FOR,
     Calibration,
     ConvertMLA,
@@ -212,10 +213,11 @@ def smallest_within(budgets: tuple[float, ...], predicted: list[float], target: 
 
 
 # ------------------------------------------------------------------------------------------ conversions
-def request_at(ctx: PlanContext, settings: BaseModel, output: Path) -> SurgeryRequest:
+def request_at(ctx: PlanContext, settings: BaseModel, output: Path, eval_domains: list[str] | None = None) -> SurgeryRequest:
+    """The method's request at a budget, calibrated and scored as the plan is (no other domains unless given)."""
     return REQUEST_FOR[type(settings)](model=ctx.request.model, output=output, calibration=ctx.request.calibration,
-                                       eval_tokens=ctx.request.eval_tokens, eval_domains=[], seed=ctx.request.seed,
-                                       **dict(settings))
+                                       eval_tokens=ctx.request.eval_tokens, eval_domains=eval_domains or [],
+                                       seed=ctx.request.seed, **dict(settings))
 
 
 def operated(ctx: PlanContext, request: SurgeryRequest) -> PreTrainedModel:
@@ -264,7 +266,7 @@ def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanRepo
 def recipe_text(ctx: PlanContext, method: PlannedMethod, budget: float, report: MethodPlanReport) -> str:
     name = Path(ctx.request.model.ref).name or ctx.request.model.ref
     output = Path("out") / f"{name}-{method.name}-{budget:g}"
-    recipe = Recipe.from_request(request_at(ctx, method.settings(budget, ctx.anatomy), output))
+    recipe = Recipe.from_request(request_at(ctx, method.settings(budget, ctx.anatomy), output, list(EVAL_DOMAINS)))
     recipe = recipe.model_copy(update={"description": f"{method.name} at budget {budget:g}, planned for a perplexity "
                                                       f"ratio within x{ctx.request.target_ratio:g}"})
     anchors = ", ".join(f"x{a.ratio:.3f} at {a.budget:g}" for a in report.anchors)

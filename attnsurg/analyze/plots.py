@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 from attnsurg.analyze.report import AnalysisReport, Spectrum  # noqa: E402
@@ -179,6 +180,8 @@ def plan_figure(report, path: Path) -> Path:
         axis.set_title(method.method)
         axis.set_xlabel("budget")
         axis.set_ylabel("perplexity ratio to the source")
+        axis.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("x%.3g"))
+        axis.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("x%.3g"))
         axis.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=8)
     figure.suptitle(f"{report.model}: planned budgets ({report.eval_tokens} tokens of {report.text})")

@@ -303,8 +303,8 @@ class LowRankSettings(Strict):
     @model_validator(mode="after")
     def _stream_with_uniform_ranks(self):
         if self.stream and self.allocate:
-            raise ValueError("allocate needs every layer's spectrum before the first rank is chosen, so it does not "
-                             "stream; drop allocate or stream")
+            raise ValueError("allocate (--allocate) needs every layer's spectrum before the first rank is chosen, so "
+                             "it does not stream (--stream); drop one of them")
         return self
 
 

@@ -65,3 +65,15 @@ def test_a_compressed_gemma_loads_alike_with_remote_code(gemma_checkpoint, corpu
 def test_methods_that_replace_the_attention_refuse_with_the_reason(gemma_checkpoint, corpus_file, tmp_path, args, fragment):
     result = compressed(gemma_checkpoint, corpus_file, tmp_path / "never", *args)
     assert result.exit_code == 2 and fragment in result.output and not (tmp_path / "never").exists(), result.output
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_mla_refuses_gemma_even_without_sliding_layers(family):
+    """MLA writes Llama-like DeepseekV3 layers around its attention: Gemma's is not one of them, windows or not."""
+    from dataclasses import replace
+
+    from attnsurg.arch import inspect_config
+    from attnsurg.methods import METHODS
+
+    anatomy = replace(inspect_config(CONFIGS[family]()), sliding_window=None, sliding_layers=0)
+    assert METHODS["mla"].unsupported_reason(anatomy).startswith("MLA replaces the attention module")

@@ -36,22 +36,20 @@ from attnsurg.analyze.run import head_projections
 from attnsurg.analyze.sparsity import attention_probabilities, top_mass
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
-from attnsurg.arch.unfuse import unfused_model
-from attnsurg.calibrate import attention_layers, calibration_windows, captured_inputs, causal_mask, input_statistics
+from attnsurg.calibrate import attention_layers, captured_inputs, causal_mask, input_statistics
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.info import inspect_model
-from attnsurg.io.load import load_model, load_tokenizer, resolve_device
+from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods.lowrank import decompose, layer_contexts, plan_units, uniform_ranks
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
-from attnsurg.pipeline import Surgery
+from attnsurg.pipeline import Surgery, load_source, source_windows
 from attnsurg.placement import on_device
 from attnsurg.recipe import (
     EVAL_DOMAINS,
     REQUEST_FOR,
-    Calibration,
     ConvertMLA,
     LokiSettings,
     LowRankSettings,
@@ -281,18 +279,13 @@ def load_context(request: PlanRequest) -> PlanContext:
     source, _, anatomy = inspect_model(request.model)
     family = family_for_surgery(anatomy.model_type)
     device = resolve_device(request.device)
-    with ui.status(f"Loading {request.model.ref}..."):
-        model = unfused_model(load_model(source, torch.float32, "cpu", request.model.trust_remote_code,
-                                         request.model.allow_pickle))
-        tokenizer = load_tokenizer(source, request.model.trust_remote_code)
-    calibration: Calibration = request.calibration
-    seq_len = min(calibration.seq_len, anatomy.max_positions or calibration.seq_len)
-    windows = calibration_windows(tokenizer, calibration.data, calibration.tokens, seq_len)
+    model, tokenizer = load_source(request.model, source)
+    windows = source_windows(tokenizer, request.calibration, anatomy)
     attentions = attention_layers(model, family)
     with on_device(model, device):
         stats = input_statistics(model, attentions + [a.o_proj for a in attentions], windows)
     stats = list(zip(stats[: len(attentions)], stats[len(attentions):], strict=True))
-    scored = scoring_windows(tokenizer, calibration.data, request.eval_tokens, anatomy.max_positions)
+    scored = scoring_windows(tokenizer, request.calibration.data, request.eval_tokens, anatomy.max_positions)
     ppl = perplexity_of(model, *scored, "the source", device)
     return PlanContext(request, model, tokenizer, anatomy, family, device, windows, stats, scored, ppl)
 

@@ -33,12 +33,12 @@ from attnsurg.analyze.spectra import (
 )
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
-from attnsurg.arch.unfuse import unfused_model
 from attnsurg.calibrate import attention_layers, calibration_windows, run_with_input_hooks
 from attnsurg.errors import UserError
 from attnsurg.info import inspect_model
-from attnsurg.io.load import load_model, load_tokenizer, resolve_device
+from attnsurg.io.load import resolve_device
 from attnsurg.io.save import staged_checkpoint
+from attnsurg.pipeline import load_source
 from attnsurg.placement import on_device
 from attnsurg.recipe import AnalyzeRequest, ApproxRequest
 
@@ -216,10 +216,7 @@ def check_request(request: AnalyzeRequest | ApproxRequest) -> Checked:
 
 def load_for_analysis(request: AnalyzeRequest | ApproxRequest, checked: Checked, tokens: int) -> Loaded:
     source, anatomy = checked.source, checked.anatomy
-    with ui.status(f"Loading {request.model.ref}..."):
-        model = unfused_model(load_model(source, torch.float32, "cpu", request.model.trust_remote_code,
-                                         request.model.allow_pickle))
-        tokenizer = load_tokenizer(source, request.model.trust_remote_code)
+    model, tokenizer = load_source(request.model, source)
     seq_len = min(request.seq_len, anatomy.max_positions or request.seq_len)
     return Loaded(model, anatomy, checked.family,
                   calibration_windows(tokenizer, request.data, max(tokens, seq_len), seq_len))

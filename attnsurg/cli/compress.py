@@ -154,9 +154,6 @@ def compress(
         reject_options(method, {"--stacked": stacked})
         if ranks is not None:
             raise UserError(f"--ranks is for tucker; {method} takes one rank: --rank R")
-        if stream and allocate:
-            raise UserError("--allocate needs every layer's spectrum before the first rank is chosen, so it does not "
-                            "stream; drop --allocate or --stream")
         request = CompressLowRank(**common, rank=rank, kv_latent=kv_latent, allocate=allocate, weighted=weighted,
                                   stream=stream)
     execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output, device)

@@ -58,12 +58,13 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features, family_for_surgery
+from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features, family_for_surgery, kept_attention_reason
 from attnsurg.calibrate import additive_mask, input_statistics, prompt_layout
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
 from attnsurg.placement import on_device
 from attnsurg.methods.factorized import load_complete_state
+from attnsurg.methods.lowrank import norm_scale
 from attnsurg.methods import MethodSpec, register
 
 # Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
@@ -89,6 +90,8 @@ def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
         return f"the {anatomy.model_type} family is not supported yet ({blocking_features(anatomy)})"
     if anatomy.sliding_window:
         return "sliding-window attention cannot be expressed as MLA"
+    if reason := kept_attention_reason(anatomy, "MLA"):  # and the DeepseekV3 layers around it are Llama-like
+        return reason
     if anatomy.rope_type not in SUPPORTED_ROPE:
         return f"RoPE type '{anatomy.rope_type}' (supported: {', '.join(SUPPORTED_ROPE)})"
     return None
@@ -394,20 +397,19 @@ def consumer_weight(Q_nope: list[torch.Tensor], Wo: torch.Tensor, sigma, plan: M
     return S + torch.eye(S.shape[0], dtype=S.dtype) * S.diagonal().mean() * 1e-6
 
 
-def linearised_norm(W: torch.Tensor, norm: torch.nn.Module | None, sigma: torch.Tensor, heads: int) -> torch.Tensor:
+def linearised_norm(W: torch.Tensor, attn, projection: str, sigma: torch.Tensor, heads: int) -> torch.Tensor:
     """The query or key map with a per-head RMSNorm after it (Qwen3's q_norm/k_norm, n(y) = g * y / rms(y))
     replaced by its linearisation at each head's mean square E[rms(y)^2] = tr(W_h sigma W_h^T) / d: MLA's
     shared latent has no per-token, per-head normalisation, so the closed form fits this linear surrogate and
     refinement fits the rest against the real layer (with the norms) on calibration data."""
-    if norm is None:
+    gain = norm_scale(attn, projection)
+    if gain is None:
         return W
     d = W.shape[0] // heads
-    gain = norm.weight.detach().double()
     rows = []
     for h in range(heads):
         Wh = W[h * d : (h + 1) * d]
-        mean_square = ((Wh @ sigma) * Wh).sum() / d
-        rows.append(gain[:, None] * Wh / (mean_square + norm.variance_epsilon).sqrt())
+        rows.append(gain[:, None] * Wh / (((Wh @ sigma) * Wh).sum() / d).sqrt())
     return torch.cat(rows)
 
 
@@ -417,8 +419,8 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
     """Closed-form MLA factors for one attention layer from its input second moment ``sigma`` ((D+1)^2) and,
     for the native format, that of each window's first token (``sigma_first``, the attention sink)."""
     H, G, d, R, r = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.rope_dim, plan.kv_rank
-    Wq = linearised_norm(augmented(attn.q_proj.weight, attn.q_proj.bias), getattr(attn, "q_norm", None), sigma, H)
-    Wk = linearised_norm(augmented(attn.k_proj.weight, attn.k_proj.bias), getattr(attn, "k_norm", None), sigma, G)
+    Wq = linearised_norm(augmented(attn.q_proj.weight, attn.q_proj.bias), attn, "q", sigma, H)
+    Wk = linearised_norm(augmented(attn.k_proj.weight, attn.k_proj.bias), attn, "k", sigma, G)
     Wv = augmented(attn.v_proj.weight, attn.v_proj.bias)
     Wo = attn.o_proj.weight
     group = H // G

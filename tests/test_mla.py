@@ -94,7 +94,7 @@ def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(
         hidden = model(ids, output_hidden_states=True).hidden_states
     asked = []
 
-    def perfect_fit(w, config, index, o_weight, x, target, settings, token_scale, held_out, layout):
+    def perfect_fit(w, config, index, o_weight, x, target, settings, token_scale, held_out, layout, alternatives):
         asked.append((target, token_scale))
         return w, mla.LayerError(1.0, 0.0), target
 
@@ -128,7 +128,7 @@ def test_windows_cut_into_short_prompts_are_refined_as_prompts_of_their_own(monk
     config._attn_implementation = "sdpa"
     outputs, refine_layer = [], mla.refine_layer
 
-    def closed_form(w, config, index, o_weight, x, target, settings, token_scale, held_out, layout):
+    def closed_form(w, config, index, o_weight, x, target, settings, token_scale, held_out, layout, alternatives):
         output = refine_layer(w, config, index, o_weight, x, target, Refinement(0), token_scale, held_out, layout)[2]
         outputs.append((w, x, output))
         return w, mla.LayerError(1.0, 1.0), output
@@ -470,3 +470,70 @@ def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_
     ids = torch.arange(40)[None]
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_held_out_error_is_relative_to_the_held_out_windows_own_target():
+    """A held-out window scores as it would if it were the training windows: a drifted training window with a
+    huge target must not make the held-out error look small (it chose when refinement stopped)."""
+    from attnsurg.calibrate import second_moment
+
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
+    x, attn, target = first_layer_on_windows(model, 6)
+    config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
+    config._attn_implementation = "sdpa"
+    start = fit_layer(attn, second_moment(x), plan)
+    inflated = target.clone()
+    inflated[0] *= 100  # one training window far off
+    _, errors, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, inflated, Refinement(0), held_out=2)
+    _, alone, _ = refine_layer(start, config, 0, attn.o_proj.weight, x[4:], target[4:], Refinement(0))
+    assert errors.held_before == pytest.approx(alone.before, rel=1e-5)
+
+
+def test_native_dominance_keeps_typical_tokens_and_bounds_a_token_whose_channel_vanishes():
+    """``with_dominance`` rescales the constant channel and the latent norm's weight together: a token with
+    a . x near 1 gets about the same normalised latent, and one with a . x = 0 is amplified by about the
+    dominance, not more."""
+    from attnsurg.calibrate import second_moment
+
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
+    x, attn, _ = first_layer_on_windows(model, 4)
+    sigma = second_moment(x)
+    w = fit_layer(attn, sigma, plan)
+    a = mla.constant_direction(sigma)
+    tokens = x.reshape(-1, x.shape[-1]).double()
+    vanished = tokens - (tokens @ a)[:, None] * a[None] / a.dot(a)  # a . x = 0
+    tokens = vanished + a[None] / a.dot(a)  # a . x = 1
+
+    def normed_latent(w, inputs):
+        r = plan.kv_rank
+        latent = inputs @ w.kv_a_weight[: r + 1].T
+        rms = latent.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+        return (w.kv_a_norm * latent / rms)[:, :r]
+
+    typical = normed_latent(w, tokens)
+    for dominance in mla.CHANNEL_DOMINANCES:
+        other = mla.with_dominance(w, dominance)
+        gap = (normed_latent(other, tokens) - typical).norm() / typical.norm()
+        assert gap < 0.1 * (8 / dominance) ** 2, (dominance, gap)
+        growth = normed_latent(other, vanished).norm(dim=-1) / typical.norm(dim=-1)
+        assert growth.max() < 2 * dominance, (dominance, growth.max())
+    assert normed_latent(w, vanished).norm(dim=-1).div(typical.norm(dim=-1)).max() > 4
+
+
+def test_refinement_starts_from_the_closed_form_alternative_with_the_lowest_error():
+    from attnsurg.calibrate import second_moment
+
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
+    x, attn, target = first_layer_on_windows(model, 4)
+    config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
+    config._attn_implementation = "sdpa"
+    good = fit_layer(attn, second_moment(x), plan)
+    bad = replace(good, kv_b_proj=good.kv_b_proj * 3)
+    kept, errors, _ = refine_layer(bad, config, 0, attn.o_proj.weight, x, target, Refinement(0), alternatives=[good])
+    _, alone, _ = refine_layer(good, config, 0, attn.o_proj.weight, x, target, Refinement(0))
+    assert kept is good and errors.before == pytest.approx(alone.before)
+    assert mla.closed_form_alternatives(good, plan) and not mla.closed_form_alternatives(good, plan_mla(
+        inspect_config(model.config), kv_budget=0.5, format="exact"))

@@ -46,6 +46,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -70,6 +71,11 @@ from attnsurg.methods import MethodSpec, register
 # Latent-norm constant: a power of two (exact in bfloat16), far above any latent value.
 NORM_CONSTANT = 2.0**24
 CHANNEL_DOMINANCE = 32.0  # native format: the fitted constant channel's size over the latent's RMS size
+# The dominances refinement chooses from, per layer, on the converted model's own stream. A large one neutralises
+# the latent RMSNorm best where a . x is near 1, but a token whose a . x falls near 0 then has its latent
+# multiplied by up to the dominance: on the demo model at 25% KV with six-domain calibration one such token (a
+# drifted attention sink) at layer 4 took wiki-sample ppl to x443,908 at 32 alone (x3.88 at 2 alone).
+CHANNEL_DOMINANCES = (32.0, 8.0, 2.0)
 # Ridge of the constant channel's regression, relative to the mean input energy. On the demo model 1e-2 fits the
 # calibration tokens tighter but extrapolates to the converted model's own stream badly (calibrated on all six
 # domains, wiki-sample ppl x170 against x1.30 at 1.0): a large ridge keeps a near the mean direction.
@@ -510,6 +516,25 @@ def native_weights(q_proj: torch.Tensor, A: torch.Tensor, K_rope: torch.Tensor, 
     return MLAWeights(folded(q_proj), None, kv_a, None, kv_a_norm, kv_b, None)
 
 
+def with_dominance(w: MLAWeights, dominance: float) -> MLAWeights:
+    """A native closed form with its constant channel (latent row r) at ``dominance`` instead of
+    CHANNEL_DOMINANCE: the channel and the norm's weight on the other rows scale together, so a token with
+    a . x = 1 gets the same output; one with a . x near 0 is multiplied by at most about ``dominance``."""
+    r = w.kv_a_norm.shape[0] - 1
+    factor = dominance / CHANNEL_DOMINANCE
+    kv_a, norm = w.kv_a_weight.clone(), w.kv_a_norm.clone()
+    kv_a[r] *= factor
+    norm[:r] *= factor
+    return replace(w, kv_a_weight=kv_a, kv_a_norm=norm)
+
+
+def closed_form_alternatives(w: MLAWeights, plan: MLAPlan) -> list[MLAWeights]:
+    """The other closed forms refinement may start from: the native format at each other CHANNEL_DOMINANCES."""
+    if plan.exact:
+        return []
+    return [with_dominance(w, dominance) for dominance in CHANNEL_DOMINANCES if dominance != CHANNEL_DOMINANCE]
+
+
 # ----------------------------------------------------------------------------------- the model
 def flexible_rope_parameters(plan: MLAPlan, inv_freq: torch.Tensor, theta: float, max_positions: int) -> dict:
     """transformers' longrope type with one factor per pair expresses any frequency list:
@@ -763,11 +788,12 @@ def sampled_output(attention: DeepseekV3Attention, x: torch.Tensor, rope: tuple[
 def refine_layer(
     w: MLAWeights, config: DeepseekV3Config, index: int, o_weight: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
     settings: Refinement, token_scale: torch.Tensor | None = None, held_out: int = 0,
-    layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+    layout: tuple[torch.Tensor, torch.Tensor] | None = None, alternatives: Sequence[MLAWeights] = (),
 ) -> tuple[MLAWeights, LayerError, torch.Tensor]:
     """Adam on the converted layer so its output on the windows ``x`` matches ``target``; returns the kept
     weights, their errors (on REFINE_STEP_QUERIES fixed query rows of every window) and the layer's output on
-    ``x`` with them.
+    ``x`` with them. Refinement starts from whichever of ``w`` and the ``alternatives`` (other closed forms of
+    the same layer) has the lowest error on the training windows.
 
     The last ``held_out`` windows are never trained on. With them, the held-out error is checked every
     HELD_OUT_CHECK steps: the weights with the lowest one are kept, and refinement stops once it has not
@@ -786,12 +812,15 @@ def refine_layer(
     positions, visible = positions.to(device), visible.to(device)
     cos, sin = DeepseekV3RotaryEmbedding(config).to(device)(x[:1], positions)
     token_scale = torch.ones(*x.shape[:2], 1, device=device) if token_scale is None else token_scale
-    energy = (target[:train] * token_scale[:train]).pow(2).mean()
+
+    def energy_of(windows: slice) -> torch.Tensor:  # errors are relative to their own windows' target
+        return (target[windows] * token_scale[windows]).pow(2).mean()
+
+    energy = energy_of(slice(0, train))
 
     def closed_form() -> DeepseekV3Attention:
         return mla_attention(config, index, w, o_weight.cpu()).to(device)
 
-    attention = closed_form()
     queries = min(length, REFINE_STEP_QUERIES)
     generator = torch.Generator().manual_seed(index)  # on the CPU: the same rows on every device
 
@@ -801,7 +830,7 @@ def refine_layer(
     def output_at(rows: torch.Tensor, windows: slice) -> torch.Tensor:
         return sampled_output(attention, x[windows], (cos[windows], sin[windows]), rows, visible[windows])
 
-    def error_at(rows: torch.Tensor, windows: slice) -> torch.Tensor:
+    def error_at(rows: torch.Tensor, windows: slice, energy: torch.Tensor = energy) -> torch.Tensor:
         error = output_at(rows, windows) - target[windows][:, rows]
         return (error * token_scale[windows][:, rows]).pow(2).mean() / energy
 
@@ -809,12 +838,18 @@ def refine_layer(
     def error_over(start: int, stop: int) -> float | None:
         if stop <= start:
             return None
-        chunks = range(start, stop, WINDOWS_PER_CHUNK)
-        return sum(error_at(checked, slice(i, min(i + WINDOWS_PER_CHUNK, stop))).item() * (min(i + WINDOWS_PER_CHUNK, stop) - i)
-                   for i in chunks) / (stop - start)
+        whole = energy_of(slice(start, stop))
+        chunks = [slice(i, min(i + WINDOWS_PER_CHUNK, stop)) for i in range(start, stop, WINDOWS_PER_CHUNK)]
+        return sum(error_at(checked, chunk, whole).item() * (chunk.stop - chunk.start) for chunk in chunks) / (stop - start)
 
     checked = random_rows()  # the same rows of every window score the closed form and the refined layer
-    before, held_before = error_over(0, train), error_over(train, x.shape[0])
+    scored = []
+    for candidate in (w, *alternatives):
+        attention = mla_attention(config, index, candidate, o_weight.cpu()).to(device)
+        scored.append((error_over(0, train), len(scored), candidate))
+    before, _, w = min(scored)
+    attention = closed_form()
+    held_before = error_over(train, x.shape[0])
     best = (held_before, 0, None)  # held-out error, steps, state
     optimizer = torch.optim.Adam(refined_parameters(attention), lr=settings.lr, fused=True)
     schedule = learning_rate_schedule(optimizer, settings)
@@ -891,20 +926,22 @@ class SequentialRefiner:
         self.layout = tuple(t.to(self.device) for t in window_layout(*embeddings.shape[:2], starts))
 
     @torch.no_grad()
-    def refine(self, index: int, layer: torch.nn.Module, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, LayerError]:
-        """Refine decoder layer ``index`` (``layer``: the source's, in float32) from its closed form ``w``; the
-        layer is moved to the refiner's device for it and back."""
+    def refine(self, index: int, layer: torch.nn.Module, w: MLAWeights, settings: Refinement,
+               alternatives: Sequence[MLAWeights] = ()) -> tuple[MLAWeights, LayerError]:
+        """Refine decoder layer ``index`` (``layer``: the source's, in float32) from its closed form ``w`` or
+        one of its ``alternatives``; the layer is moved to the refiner's device for it and back."""
         with on_device(layer, self.device):
-            return self.refine_on_device(index, layer, w, settings)
+            return self.refine_on_device(index, layer, w, settings, alternatives)
 
-    def refine_on_device(self, index: int, layer: torch.nn.Module, w: MLAWeights, settings: Refinement) -> tuple[MLAWeights, LayerError]:
+    def refine_on_device(self, index: int, layer: torch.nn.Module, w: MLAWeights, settings: Refinement,
+                         alternatives: Sequence[MLAWeights] = ()) -> tuple[MLAWeights, LayerError]:
         source_attn = getattr(layer, self.family.attention_attr)
         norm = getattr(layer, self.family.input_norm)
         attended = self.source_attention(source_attn, norm(self.original))
         target = self.original + attended - self.stream
         token_scale = (self.original + attended).pow(2).mean(-1, keepdim=True).rsqrt()
         w, errors, output = refine_layer(w, self.config, index, source_attn.o_proj.weight, norm(self.stream),
-                                         target, settings, token_scale, self.held_out, self.layout)
+                                         target, settings, token_scale, self.held_out, self.layout, alternatives)
         self.original = self.finish_layer(layer, self.original + attended)
         self.stream = self.finish_layer(layer, self.stream + output)
         return w, errors
@@ -962,7 +999,8 @@ def convert(
     for index, (attn, stats) in enumerate(zip(attentions, statistics)):
         weights = fit_layer(attn, stats.sigma, plan, weighted, stats.sigma_first)
         if refiner:
-            weights, error = refiner.refine(index, source.get_submodule(f"{family.layers_path}.{index}"), weights, refinement)
+            weights, error = refiner.refine(index, source.get_submodule(f"{family.layers_path}.{index}"), weights, refinement,
+                                            closed_form_alternatives(weights, plan))
             errors.append(error)
         layers.append(weights)
         if progress:

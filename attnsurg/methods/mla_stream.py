@@ -22,7 +22,7 @@ from attnsurg.io.lazy import CheckpointReader, rotary_embedding
 from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.mla import (
     HELD_OUT_SHARE, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state,
-    deepseek_config, fit_layer, padded_heads,
+    closed_form_alternatives, deepseek_config, fit_layer, padded_heads,
 )
 
 
@@ -70,7 +70,7 @@ def convert_streamed(
     for index, layer, (statistics,) in streamed_layers(reader, source_config, family, stream, hooked, device):
         weights = fit_layer(getattr(layer, family.attention_attr), statistics.sigma, plan, weighted, statistics.sigma_first)
         if refiner:
-            weights, error = refiner.refine(index, layer, weights, refinement)
+            weights, error = refiner.refine(index, layer, weights, refinement, closed_form_alternatives(weights, plan))
             errors.append(error)
         write_layer(writer, f"{family.layers_path}.{index}.", layer, family, weights, plan, dtype)
         if progress:

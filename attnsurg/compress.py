@@ -32,6 +32,7 @@ from attnsurg.methods.lowrank_stream import compress_streamed
 from attnsurg.modeling import MODELING_FILE
 from attnsurg.pipeline import (
     base_model_id,
+    check_calibration,
     command_line,
     described_data,
     finish_surgery,
@@ -116,6 +117,7 @@ def plan_request(request: Request):
 def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None = None) -> CompressReport:
     """Compress (and heal, when ``recipe`` has a heal step); with ``dry_run`` only plan."""
     source, anatomy, plan = plan_request(request)
+    check_calibration(request.calibration, anatomy)
     report = CompressReport(plan, anatomy)
     if dry_run:
         return report

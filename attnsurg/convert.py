@@ -30,6 +30,7 @@ from attnsurg.methods.mla_stream import convert_streamed
 from attnsurg.pipeline import (
     Surgery,
     base_model_id,
+    check_calibration,
     command_line,
     described_data,
     finish_streamed,
@@ -118,6 +119,7 @@ def refinement_note(refinement: Refinement, calibration_tokens: int) -> str:
 def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | None = None) -> ConvertReport:
     """Convert (and heal, when ``recipe`` has a heal step); with ``dry_run`` only plan."""
     source, anatomy, plan = plan_request(request)
+    check_calibration(request.calibration, anatomy)
     report = ConvertReport(plan, anatomy)
     if dry_run:
         return report

@@ -18,7 +18,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import REPLACEABLE_ATTENTION, Family, family_for_surgery
 from attnsurg.arch.unfuse import UNFUSED_AS, unfused_model
 from attnsurg.calibrate import calibration_windows
-from attnsurg.data import parse_datasets
+from attnsurg.data import parse_datasets, read_text_file
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
@@ -46,9 +46,25 @@ def load_source(ref: ModelRef, source) -> tuple[PreTrainedModel, object]:
     return model, tokenizer
 
 
+def window_length(calibration: Calibration, anatomy: AttentionAnatomy) -> int:
+    """Calibration windows are cut at --calib-seq-len, or at the model's context when that is shorter."""
+    return min(calibration.seq_len, anatomy.max_positions or calibration.seq_len)
+
+
+def check_calibration(calibration: Calibration, anatomy: AttentionAnatomy) -> None:
+    """What can be checked about the calibration request before any weights load (``--dry-run`` included):
+    one window fits in the tokens read, and a text file is text."""
+    seq_len = window_length(calibration, anatomy)
+    if seq_len > calibration.tokens:
+        capped = f" (capped at the model's context, {seq_len})" if seq_len < calibration.seq_len else ""
+        raise UserError(f"--calib-seq-len {calibration.seq_len}{capped} is longer than the {calibration.tokens} calibration "
+                        "tokens (--calib-tokens) windows are cut from; lower it or read more tokens")
+    if calibration.data.text is not None:
+        read_text_file(Path(calibration.data.text))
+
+
 def source_windows(tokenizer, calibration: Calibration, anatomy: AttentionAnatomy) -> torch.Tensor:
-    seq_len = min(calibration.seq_len, anatomy.max_positions or calibration.seq_len)
-    return calibration_windows(tokenizer, calibration.data, calibration.tokens, seq_len)
+    return calibration_windows(tokenizer, calibration.data, calibration.tokens, window_length(calibration, anatomy))
 
 
 def scored_text(calibration: TextData) -> TextData:

@@ -10,11 +10,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 from rich.console import Console
+from rich.text import Text
 from rich.progress import (
     BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
 )
 
-console = Console(stderr=True)
+# markup=False: no string is ever read as rich markup (paths, model names and exception text may hold
+# brackets); styled output is built from Text.
+console = Console(stderr=True, markup=False)
 _quiet = False
 
 
@@ -30,7 +33,7 @@ def info(message: str) -> None:
 
 def warn(message: str) -> None:
     """A warning is shown even with --quiet: it says something about the result."""
-    console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(Text.assemble(("warning:", "yellow"), f" {message}"), highlight=False, soft_wrap=True)
 
 
 def status(message: str):
@@ -38,7 +41,12 @@ def status(message: str):
     if _quiet or not console.is_terminal:
         info(message)
         return nullcontext()
-    return console.status(message)
+    return console.status(Text(message))
+
+
+def described(name: str, detail: str) -> Text:
+    """A table cell: ``name`` and, dimmed on the next line, ``detail``."""
+    return Text.assemble(name, "\n", (detail, "dim"))
 
 
 @contextmanager
@@ -49,14 +57,14 @@ def progress_bar(description: str, total: int, unit: str = "") -> Iterator[calla
         return
     columns = [
         SpinnerColumn(),
-        TextColumn("[progress.description]{task.description}"),
+        TextColumn("{task.description}", style="progress.description", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn(unit),
+        TextColumn(unit, markup=False),
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),
-        TextColumn("{task.fields[note]}"),
+        TextColumn("{task.fields[note]}", markup=False),
     ]
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(description, total=total, note="")

@@ -253,6 +253,21 @@ def test_error_text_is_printed_as_written(tmp_path):
     assert_user_error(invoke("info", tmp_path / "run[bold]" / "model[v2]"), "run[bold]", "model[v2]")
 
 
+@pytest.mark.parametrize("name", ["exp[/old]", "run[bold]/model[v2]"])
+def test_a_model_at_a_bracketed_path_is_read_and_named_as_written(tmp_path, tiny_checkpoints, name):
+    import shutil
+
+    model = tmp_path / name
+    shutil.copytree(tiny_checkpoints["llama-gqa"], model)
+    result = invoke("info", model)
+    assert result.exit_code == 0, result.output
+    assert str(model) in result.output.replace("\n", "")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {model}\noutput: {tmp_path / 'out[/x]'}\nsteps:\n  - compress: {{method: svd, rank: 4}}\n")
+    result = invoke("recipe", "validate", recipe)
+    assert result.exit_code == 0 and "out[/x]" in result.output, result.output
+
+
 def test_quiet_may_follow_the_command_and_flags_show_no_type():
     from attnsurg.cli import global_options_first
 
@@ -280,3 +295,46 @@ def test_tables_on_a_narrow_terminal_keep_every_value_whole():
     buffer = io.StringIO()
     TableConsole(file=buffer, width=80).print(table)
     assert all(value in buffer.getvalue() for value in values) and "…" not in buffer.getvalue()
+
+
+BAD_INPUTS = {
+    "windows longer than the tokens": (["convert", "{model}", "--calib-tokens", "32"], "is longer than the 32 calibration tokens"),
+    "missing calibration text": (["convert", "{model}", "--calib-text", "{tmp}/no.txt"], "does not exist"),
+    "binary calibration text": (["compress", "{model}", "--method", "svd", "--ratio", "0.5", "--calib-text", "{binary}"], "is not UTF-8"),
+    "unknown calibration dataset": (["convert", "{model}", "--calib-dataset", "wikki-sample"], "did you mean 'wiki-sample'"),
+    "budget above one": (["convert", "{model}", "--kv-budget", "1.7"], "--kv-budget"),
+    "unknown method": (["compress", "{model}", "--method", "magic"], "magic"),
+    "second model mistyped": (["eval", "perplexity", "{model}", "{tmp}/TYPO", "--max-length", "64"], "TYPO"),
+    "bracketed missing model": (["convert", "{tmp}/run[bold]/m[/x]"], "run[bold]/m[/x]"),
+    "recipe writing outside": (["run", "{escaping}"], "climbs out with '..'"),
+    "binary recipe": (["run", "{binary}"], "not UTF-8 text"),
+    "impossible config": (["convert", "{broken}"], "num_key_value_heads is 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_every_bad_input_is_one_line_before_any_model_loads_and_writes_nothing(case, tiny_checkpoints, tmp_path, monkeypatch):
+    import attnsurg.eval.loading
+    import attnsurg.pipeline
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(attnsurg.pipeline, "load_source", never)
+    monkeypatch.setattr(attnsurg.eval.loading, "load_model", never)
+    binary = tmp_path / "noise.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    escaping = tmp_path / "escaping.yaml"
+    escaping.write_text(f"model: {tiny_checkpoints['llama-gqa']}\noutput: runs/../../out\nsteps:\n  - convert: {{}}\n")
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 0}))
+    args, fragment = BAD_INPUTS[case]
+    values = dict(model=tiny_checkpoints["llama-gqa"], tmp=tmp_path, binary=binary, escaping=escaping, broken=broken)
+    args = [a.format(**values) for a in args]
+    if args[0] != "run" and args[:2] != ["eval", "perplexity"]:
+        args += ["-o", str(tmp_path / "out")]
+    before = set(tmp_path.iterdir())
+    assert_user_error(invoke(*args), fragment)
+    assert set(tmp_path.iterdir()) == before

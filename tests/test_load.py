@@ -134,6 +134,31 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         load_config(source)
 
 
+IMPOSSIBLE_CONFIGS = {
+    "zero heads": ({"num_attention_heads": 0}, "impossible values"),
+    "heads not dividing hidden": ({"num_attention_heads": 7, "head_dim": None}, "not a multiple of the number of attention heads"),
+    "zero kv heads": ({"num_key_value_heads": 0}, "num_key_value_heads is 0"),
+    "kv heads not dividing heads": ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+    "no layers": ({"num_hidden_layers": 0}, "num_hidden_layers is 0"),
+    "empty vocabulary": ({"vocab_size": 0}, "vocab_size is 0"),
+    "no attention at all": ({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, "has no num_attention_heads"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPOSSIBLE_CONFIGS))
+def test_a_config_no_model_can_have_is_one_line_before_any_model_is_built(tiny_checkpoints, tmp_path, case):
+    changes, message = IMPOSSIBLE_CONFIGS[case]
+    target = tmp_path / "model"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    if changes.get("model_type") == "mamba":
+        config = {k: v for k, v in config.items() if k not in ("num_attention_heads", "num_key_value_heads", "head_dim")}
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=message):
+        load_config(resolve_source(str(target)))
+
+
 def test_device_and_dtype_resolution():
     assert resolve_device("cpu").type == "cpu"
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32

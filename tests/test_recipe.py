@@ -88,6 +88,10 @@ BAD = {
     "missing text file": ("model: m\noutput: o\nsteps:\n  - convert: {}\ncalibration:\n  data: {text: /no/such.txt}\n",
                           "calibration.data.text: text file '/no/such.txt' does not exist"),
     "not yaml": ("model: m\noutput: [\n", "not valid YAML"),
+    "object tag": ("model: !!python/object/apply:os.system ['echo hi']\noutput: o\nsteps:\n  - convert: {}\n",
+                   "<recipe>:1: not valid YAML (could not determine a constructor"),
+    "output climbs out": ("model: m\noutput: runs/../../escape\nsteps:\n  - convert: {}\n",
+                          "<recipe>:2: output: 'runs/../../escape' climbs out with '..'"),
     "not a mapping": ("- a\n- b\n", "a recipe is a YAML mapping"),
 }
 
@@ -202,3 +206,10 @@ def test_validate_checks_every_file_and_fails_when_any_does(tmp_path):
     assert result.exit_code == 2
     assert f"{bad}:5: steps[0].convert.kv_budget: Input should be less than or equal to 1" in result.stderr
     assert "missing.yaml' is not a file" in result.stderr and "mla-50.yaml: ok" in result.stdout
+
+
+def test_a_binary_recipe_file_is_one_line(tmp_path):
+    path = tmp_path / "noise.yaml"
+    path.write_bytes(bytes(range(256)) * 4)
+    result = CliRunner().invoke(app, ["recipe", "validate", str(path)])
+    assert result.exit_code == 2 and "not UTF-8 text" in result.output and "Traceback" not in result.output

@@ -146,3 +146,56 @@ def test_staging_left_by_a_killed_writer_is_removed_and_a_live_ones_kept(tiny, t
     write_checkpoint(model, tokenizer, tmp_path / "out", CARD)
     assert not dead.exists() and live.exists() and unnamed.exists()
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+COMPRESS_TINY = ["--method", "svd", "--ratio", "0.5", "--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "0",
+                 "--eval-domains", "none"]
+
+
+def compress_in_a_process(tiny_checkpoints, corpus_file, out, prelude: str, *extra: str):
+    """``attnsurg compress`` on a tiny checkpoint in a child process that first runs ``prelude``."""
+    import subprocess
+    import sys
+
+    args = ["compress", str(tiny_checkpoints["qwen2"]), *COMPRESS_TINY, "--calib-text", str(corpus_file), "-o", str(out), *extra]
+    code = f"{prelude}\nimport sys, runpy\nsys.argv = ['attnsurg', *{args!r}]\nrunpy.run_module('attnsurg', run_name='__main__')"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_real_file_size_limit_is_one_line_and_leaves_nothing(tiny_checkpoints, corpus_file, tmp_path):
+    """The kernel refuses the weights (RLIMIT_FSIZE: EFBIG, which safetensors reports as its own error)."""
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))"
+    child = compress_in_a_process(tiny_checkpoints, corpus_file, tmp_path / "out", limit)
+    stdout, stderr = child.communicate(timeout=300)
+    assert child.returncode == 2, stderr
+    assert "File too large" in stderr and "Traceback" not in stderr
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_kill_9_while_a_checkpoint_is_written_leaves_the_previous_one_and_a_rerun_succeeds(tiny_checkpoints, corpus_file,
+                                                                                         tmp_path):
+    import os
+    import signal
+    import time
+
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    out = tmp_path / "out"
+    command = ["compress", str(tiny_checkpoints["qwen2"]), *COMPRESS_TINY, "--calib-text", str(corpus_file), "-o", str(out)]
+    assert CliRunner().invoke(app, command).exit_code == 0
+    previous = (out / "model.safetensors").read_bytes()
+    stall = "import time, attnsurg.io.save as save; save.share_as_umask_allows = lambda path: time.sleep(600)"
+    child = compress_in_a_process(tiny_checkpoints, corpus_file, out, stall, "--overwrite", "--seed", "1")
+    deadline = time.time() + 300
+    while not any(p.name.startswith(".out.partial-") and (p / "model.safetensors").exists() for p in tmp_path.iterdir()):
+        assert child.poll() is None, child.communicate()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)  # mid-write: the new checkpoint is complete in staging, not yet in place
+    child.wait()
+    assert (out / "model.safetensors").read_bytes() == previous
+    result = CliRunner().invoke(app, [*command, "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

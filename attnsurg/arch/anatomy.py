@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from attnsurg.arch.families import OUTPUT_FAMILIES, SURGERY_FAMILIES
+from attnsurg.errors import UserError
 
 BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -109,7 +110,28 @@ def first_attention(model: nn.Module) -> nn.Module:
     for name, module in model.named_modules():
         if name.endswith("self_attn"):
             return module
-    raise ValueError("no self_attn module found")
+    raise UserError(f"'{model.config.model_type}' has no self-attention layers (self_attn) for attnsurg to read; "
+                    "it works on transformer decoders")
+
+
+SIZES = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+
+
+def check_sizes(config: PretrainedConfig) -> None:
+    """One line for a config whose sizes no model can have (zero heads, heads that do not share out evenly)."""
+    for name in (*SIZES, "num_key_value_heads", "head_dim"):
+        value = getattr(config, name, None)
+        if value is None and name not in SIZES:
+            continue
+        if value is None:
+            raise UserError(f"the model's config has no {name}: attnsurg works on transformer decoders with self-attention")
+        if not isinstance(value, int) or value <= 0:
+            raise UserError(f"the model's config: {name} is {value!r}; it must be a positive integer")
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if kv_heads is not None and heads % kv_heads:
+        raise UserError(f"the model's config: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
+        raise UserError(f"the model's config: hidden_size {config.hidden_size} does not split into {heads} heads; set head_dim")
 
 
 def attention_parameters(model: nn.Module) -> int:

@@ -12,8 +12,8 @@ import typer
 from pydantic import ValidationError
 from rich import box
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 import attnsurg
 from attnsurg import ui
@@ -51,7 +51,7 @@ class TableConsole(Console):
     @staticmethod
     def table_width(table: Table) -> int:
         """The table's natural width: every cell on one line."""
-        return Console(width=10**4, file=io.StringIO()).measure(table).maximum
+        return Console(width=10**4, file=io.StringIO(), markup=False).measure(table).maximum
 
     def print_table(self, table: Table, **kwargs) -> None:
         """Without vertical rules when the table is too wide for the terminal; wider still, printed at its
@@ -62,11 +62,11 @@ class TableConsole(Console):
         if needed <= self.width:
             super().print(table, **kwargs)
             return
-        wide = Console(file=self.file, width=needed, force_terminal=self.is_terminal, no_color=self.no_color)
+        wide = Console(file=self.file, width=needed, force_terminal=self.is_terminal, no_color=self.no_color, markup=False)
         wide.print(table, **kwargs)
 
 
-out = TableConsole() if sys.stdout.isatty() else TableConsole(width=160)
+out = TableConsole(markup=False) if sys.stdout.isatty() else TableConsole(width=160, markup=False)  # see ui.console
 
 
 def user_errors(command):
@@ -88,7 +88,7 @@ def user_errors(command):
 
 def print_error(message: str) -> None:
     """One red ``error:`` line on stderr; the message is never read as markup."""
-    ui.console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    ui.console.print(Text.assemble(("error:", "bold red"), f" {message}"), highlight=False, soft_wrap=True)
 
 
 CALIBRATION_FLAGS = {"tokens": "--calib-tokens", "seq_len": "--calib-seq-len", "dataset": "--calib-dataset",
@@ -177,8 +177,11 @@ def calibration_from(dataset: str, text: Path | None, tokens: int, seq_len: int)
         data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")
         return Calibration(data=data, tokens=tokens, seq_len=seq_len)
     except ValidationError as exc:
-        field = str(exc.errors()[0]["loc"][0])
-        message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        first = exc.errors()[0]
+        message = first["msg"].removeprefix("Value error, ")
+        if not first["loc"]:  # a check across fields names its flags itself
+            raise UserError(message) from None
+        field = str(first["loc"][0])
         raise UserError(f"{CALIBRATION_FLAGS.get(field, field)}: {message}") from None
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from attnsurg.cli.common import (
     AllowPickle,
@@ -21,6 +21,7 @@ from attnsurg.cli.common import (
     out,
     user_errors,
 )
+from attnsurg import ui
 from attnsurg.errors import UserError
 
 
@@ -78,7 +79,7 @@ def eval_perplexity(
             recall = f"; top-k recall {r.top_k_recall:.3f} on the first window" if r.top_k_recall is not None else ""
             out.print(f"{r.model}: {r.surgery}{recall}", highlight=False)
     for note in report.notes:
-        out.print(f"[yellow]note:[/] {note}")
+        out.print(Text.assemble(("note:", "yellow"), f" {note}"))
 
 
 def _optional(value: float | None, fmt: str) -> str:
@@ -94,7 +95,7 @@ def perplexity_table(report) -> Table:
         table.add_column(column, justify="left" if column == "model" else "right")
     for r in report.results:
         table.add_row(
-            f"{escape(r.model)}\n[dim]{r.model_type}, {r.dtype}, {r.device}[/]",
+            ui.described(r.model, f"{r.model_type}, {r.dtype}, {r.device}"),
             f"{r.ppl:.4f}",
             f"{r.ratio:.4f}",
             _optional(r.word_ppl, ".3f"),
@@ -123,11 +124,13 @@ def domain_table(report) -> Table:
         cells = []
         for text in report.texts:
             r = report.row(model, text)
-            cell = f"{r.ppl:.3f}" if model == report.results[0].model else f"x{r.ratio:.3f}\n[dim]{r.ppl:.3f}[/]"
-            cells.append(f"[bold red]{cell}[/]" if text == report.worst[model] and len(ratios) > 1 and r.ratio != 1.0 else cell)
+            cell = Text(f"{r.ppl:.3f}") if model == report.results[0].model else ui.described(f"x{r.ratio:.3f}", f"{r.ppl:.3f}")
+            if text == report.worst[model] and len(ratios) > 1 and r.ratio != 1.0:
+                cell.stylize("bold red")
+            cells.append(cell)
         worst = report.worst[model]
         cells.append("-" if model == report.results[0].model else f"x{ratios[worst]:.3f} {worst.removesuffix('-sample')}")
-        table.add_row(f"{escape(model)}\n[dim]{first.model_type}, {first.dtype}, KV {first.kv_bytes_per_token:,} B/token[/]",
+        table.add_row(ui.described(model, f"{first.model_type}, {first.dtype}, KV {first.kv_bytes_per_token:,} B/token"),
                       *cells)
     return table
 
@@ -212,14 +215,14 @@ def kept_text(kept: float) -> str:
     return "-" if math.isnan(kept) else f"{kept:.3f}"  # nan: the first model got none right
 
 
-def task_cell(model, task: str, metric: str, first: bool) -> str:
+def task_cell(model, task: str, metric: str, first: bool) -> str | Text:
     result = model.results.get(task)
     if result is None:
         return "-"
     value = result.metrics[metric]
     cell = f"{value:.2f}" if metric == "ppl" else f"{value:.3f}"
     kept = model.retained.get(task, {}).get(metric)
-    return cell if first or kept is None else f"{cell}\n[dim]keeps {kept_text(kept)}[/]"
+    return cell if first or kept is None else ui.described(cell, f"keeps {kept_text(kept)}")
 
 
 def tasks_table(report) -> Table:
@@ -233,7 +236,7 @@ def tasks_table(report) -> Table:
     table.add_column("seconds", justify="right")
     for index, model in enumerate(report.models):
         seconds = sum(r.seconds for r in model.results.values())
-        table.add_row(f"{escape(model.model)}\n[dim]{model.model_type}, {model.dtype}, {model.device}[/]",
+        table.add_row(ui.described(model.model, f"{model.model_type}, {model.dtype}, {model.device}"),
                       *(task_cell(model, t, m, index == 0) for t, m in columns), f"{seconds:.0f}")
     return table
 
@@ -252,8 +255,8 @@ def harness_table(report) -> Table:
         for task, metric in columns:
             value = model.harness[task]["metrics"][metric]
             kept = model.harness_retained.get(task, {}).get(metric.split(",")[0])
-            cells.append(f"{value:.3f}" if index == 0 or kept is None else f"{value:.3f}\n[dim]keeps {kept_text(kept)}[/]")
-        table.add_row(escape(model.model), *cells)
+            cells.append(f"{value:.3f}" if index == 0 or kept is None else ui.described(f"{value:.3f}", f"keeps {kept_text(kept)}"))
+        table.add_row(model.model, *cells)
     return table
 
 
@@ -265,7 +268,7 @@ def passkey_table(report) -> Table:
         table.add_column(f"{int(length):,}", justify="right")
     for model in report.models:
         by_length = model.results["passkey"].details["acc_by_length"]
-        table.add_row(escape(model.model), *(f"{by_length[n]:.1f}" for n in lengths))
+        table.add_row(model.model, *(f"{by_length[n]:.1f}" for n in lengths))
     return table
 
 
@@ -318,7 +321,7 @@ def speed_table(report) -> Table:
             show = index > 0
             peak = "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.2f} GiB"
             table.add_row(
-                f"{escape(model.model)}\n[dim]{model.model_type}, {model.dtype}, {model.device}[/]" if c is model.contexts[0] else "",
+                ui.described(model.model, f"{model.model_type}, {model.dtype}, {model.device}") if c is model.contexts[0] else "",
                 f"{c.context:,}",
                 f"{c.prefill_tokens_per_second:,.0f}" + (f" (x{ratio['prefill']:.2f})" if show else ""),
                 f"{c.decode_tokens_per_second:,.1f}" + (f" (x{ratio['decode']:.2f})" if show else ""),

@@ -6,8 +6,8 @@ import json
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from attnsurg.cli.common import (
     AllowPickle,
@@ -58,7 +58,7 @@ def info_table(record: dict) -> Table:
     table.add_column("property", style="bold")
     table.add_column("value")
     rows = [
-        ("family (model_type)", f"{a['model_type']}" + ("" if a["family"] else "  [yellow](no surgery support)[/]")),
+        ("family (model_type)", Text(a["model_type"]) if a["family"] else Text.assemble(a["model_type"], ("  (no surgery support)", "yellow"))),
         ("attention", a["attention_kind"].upper()),
         ("layers", str(a["num_layers"])),
         ("hidden size", str(a["hidden_size"])),
@@ -118,10 +118,12 @@ def surgery_cell(surgery: dict) -> str:
     return "\n".join(lines)
 
 
-def methods_cell(methods: dict[str, str | None]) -> str:
+def methods_cell(methods: dict[str, str | None]) -> str | Text:
     if not methods:
         return "none installed"
-    return "\n".join(f"{n}: " + ("[green]yes[/]" if why is None else f"[yellow]no[/] ({why})") for n, why in methods.items())
+    lines = [Text.assemble(f"{n}: ", ("yes", "green")) if why is None else Text.assemble(f"{n}: ", ("no", "yellow"), f" ({why})")
+             for n, why in methods.items()]
+    return Text("\n").join(lines)
 
 
 def footnote(notes: dict, method: str, value: str) -> str:
@@ -164,4 +166,4 @@ def print_support_matrix(json_output: bool) -> None:
         table.add_row(family, *cells)
     out.print(table)
     for note, refusing in notes.items():
-        out.print(escape(note if not refusing else f"{', '.join(refusing)}: {note}"), highlight=False)
+        out.print(note if not refusing else f"{', '.join(refusing)}: {note}", highlight=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from rich.table import Table
+from rich.text import Text
 
 from attnsurg.cli.common import out
 from attnsurg.errors import UserError
@@ -95,9 +96,9 @@ def print_domains(report, before: str = "") -> None:
 
     worst = worst_domain(report.domains)
     for name, (first, after) in report.domains.items():
-        mark = "  [bold red]worst domain[/]" if name == worst and len(report.domains) > 1 else ""
+        mark = ("  worst domain", "bold red") if name == worst and len(report.domains) > 1 else ""
         of = f" of the {before}" if before else ""
-        out.print(f"  {name}: ppl {first:.3f} -> {after:.3f} (x{after / first:.3f}{of}){mark}", highlight=False)
+        out.print(Text.assemble(f"  {name}: ppl {first:.3f} -> {after:.3f} (x{after / first:.3f}{of})", mark), highlight=False)
 
 
 def print_ppl(report) -> None:

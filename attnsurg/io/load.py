@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from attnsurg.arch.anatomy import meta_model
+from attnsurg.arch.anatomy import check_sizes, meta_model
 from attnsurg.arch.families import supported_names
 from attnsurg.errors import UserError
 from attnsurg.io.assets import ASSETS, ensure_demo_model
@@ -179,7 +180,11 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> Pretrai
         raise UserError(f"cannot load the config of '{source.ref}' ({_first_line(exc)})")
     except ValueError as exc:
         raise UserError(_remote_code_or(exc, source))
+    except (StrictDataclassError, ZeroDivisionError) as exc:  # the config class's own checks and derived sizes
+        reason = str(exc).strip().splitlines()[-1].strip().removeprefix("ValueError: ") if str(exc).strip() else "division by zero"
+        raise UserError(f"the config of '{source.ref}' has impossible values ({reason}); fix its config.json")
     _require_causal_lm(config, source.ref)
+    check_sizes(config)
     return config
 
 

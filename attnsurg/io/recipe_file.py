@@ -70,7 +70,7 @@ def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
     if not isinstance(data, dict):
         raise UserError(f"{name}: a recipe is a YAML mapping (model:, output:, steps:, ...)")
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = input_path(first["loc"], data)
@@ -89,12 +89,21 @@ def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
         if first["type"] == "missing":
             message = "required key is missing"
         raise UserError(f"{where}: {field + ': ' if field else ''}{message}") from None
+    if ".." in recipe.output.parts and not recipe.output.is_absolute():  # a shared recipe must not write outside the folder it is run from
+        line = line_of(root, ("output",))
+        raise UserError(f"{name}{f':{line}' if line else ''}: output: '{recipe.output}' climbs out with '..'; "
+                        "give a path below the working folder or an absolute one")
+    return recipe
 
 
 def load_recipe(path: Path) -> Recipe:
     """A recipe file, or the name of a shipped recipe (``mla-50`` for ``recipes/mla-50.yaml``)."""
     path = resolve_recipe(path)
-    return parse_recipe(path.read_text(encoding="utf-8"), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; a recipe is a YAML file") from None
+    return parse_recipe(text, str(path))
 
 
 def resolve_recipe(path: Path) -> Path:

@@ -9,6 +9,7 @@ renamed into place at the end, so a crash never leaves a half-written checkpoint
 from __future__ import annotations
 
 import errno
+import re
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
 from attnsurg.errors import UserError
@@ -60,10 +62,11 @@ def staged_checkpoint(out: Path, overwrite: bool = False) -> Iterator[Path]:
         yield staging
         share_as_umask_allows(staging)
         replace_directory(staging, out)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if exc.errno in WRITE_FAILURES:
-            raise UserError(f"could not write '{out}': {os.strerror(exc.errno)} (nothing was left at that path; "
+        code = write_failure(exc)
+        if code is not None:
+            raise UserError(f"could not write '{out}': {os.strerror(code)} (nothing was left at that path; "
                             "free space or choose another output)") from exc
         raise
     except BaseException:
@@ -72,6 +75,15 @@ def staged_checkpoint(out: Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def write_failure(exc: BaseException) -> int | None:
+    """The errno of a write the machine refused (full disk, size limit, read-only, no permission), or None.
+    safetensors' Rust writer reports it only in its text: ``... (os error 27)``."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code is None and (found := re.search(r"os error (\d+)", str(exc))):
+        code = int(found.group(1))
+    return code if code in WRITE_FAILURES else None
 
 
 def staging_prefix(out: Path) -> str:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel, set_seed
 
 from attnsurg import ui
-from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.anatomy import AttentionAnatomy, meta_model
 from attnsurg.arch.families import REPLACEABLE_ATTENTION, Family, family_for_surgery
 from attnsurg.arch.unfuse import UNFUSED_AS, unfused_model
 from attnsurg.calibrate import calibration_windows
@@ -271,7 +271,13 @@ def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: S
     """Config, generation settings, tokenizer, card and recipe beside the streamed shards."""
     written.save_pretrained(staging)
     generation_config(source.path, written).save_pretrained(staging)
-    info.license = source_license(recipe.model.ref)
+    info.license = info.license or source_license(recipe.model.ref)
+    info.remote_code = bool(getattr(written, "auto_map", None))
+    if note := source_note(recipe.model.ref):
+        info.details.insert(0, note)
+    trust = recipe.model.trust_remote_code
+    info.figures[:0] = parameter_rows(meta_model(load_config(source, trust), trust), meta_model(written, trust),
+                                      surgery.family.attention_attr)  # counted on the meta device: nothing allocated
     info.details.append("written one decoder layer at a time (`--stream`); not scored here: score it with "
                         "`attnsurg eval perplexity SOURCE THIS --dataset all`")
     finish_staging(staging, surgery.tokenizer, info, {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})})

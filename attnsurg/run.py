@@ -29,6 +29,7 @@ from attnsurg.pipeline import (
     load_source,
     peak_memory_gb,
     perplexity_row,
+    source_license,
     score_domains,
     to_source_dtype,
 )
@@ -117,13 +118,13 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, dev
     files = {RECIPE_FILE: dump_recipe(recipe)}
     if anatomy.model_type in ATTNSURG_MODEL_TYPES:
         files[MODELING_FILE.name] = MODELING_FILE.read_text(encoding="utf-8")
-    card = heal_card(recipe, report)
+    card = heal_card(recipe, report, remote_code=anatomy.model_type in ATTNSURG_MODEL_TYPES)
     report.written = str(write_checkpoint(student, tokenizer, recipe.output, card, overwrite, extra_files=files))
     remove_heal_state(heal_state_dir(recipe.output))
     return report
 
 
-def heal_card(recipe: Recipe, report: HealRunReport) -> CardInfo:
+def heal_card(recipe: Recipe, report: HealRunReport, remote_code: bool = False) -> CardInfo:
     teacher: ModelRef = recipe.heal.teacher
     figures = []
     if report.ppl_before is not None:
@@ -139,6 +140,8 @@ def heal_card(recipe: Recipe, report: HealRunReport) -> CardInfo:
         base_model=base_model_id(teacher.ref),
         command=command_line(),
         figures=figures,
+        license=source_license(teacher.ref),
+        remote_code=remote_code,
     )
     add_healing(info, report.heal, recipe.heal)
     return info

@@ -338,3 +338,24 @@ def test_every_bad_input_is_one_line_before_any_model_loads_and_writes_nothing(c
     before = set(tmp_path.iterdir())
     assert_user_error(invoke(*args), fragment)
     assert set(tmp_path.iterdir()) == before
+
+
+def test_each_command_takes_the_other_spelling_of_its_text_options():
+    from attnsurg.cli import with_aliases
+
+    assert with_aliases(["heal", "m", "--calib-dataset", "c4-sample", "--calib-seq-len=256"]) == \
+        ["heal", "m", "--dataset", "c4-sample", "--seq-len=256"]
+    assert with_aliases(["convert", "m", "--text", "f.txt", "--tokens", "64"]) == \
+        ["convert", "m", "--calib-text", "f.txt", "--calib-tokens", "64"]
+    assert with_aliases(["analyze", "plan", "m", "--dataset", "all"])[-2] == "--calib-dataset"
+    assert with_aliases(["eval", "perplexity", "m", "--dataset", "c4-sample"])[-2] == "--dataset"
+
+
+@pytest.mark.parametrize("command", [["convert"], ["compress"], ["heal"], ["run"], ["info"], ["export"], ["eval", "perplexity"],
+                                     ["eval", "tasks"], ["eval", "speed"], ["analyze", "report"], ["analyze", "approx"],
+                                     ["analyze", "plan"], ["recipe", "validate"], ["assets", "fetch"]])
+def test_every_help_fits_80_columns_without_a_cut_value_or_a_flag_type(command):
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output and "<bool>" not in result.output, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80

@@ -2,10 +2,12 @@
 stays fixed, and the command writes a checkpoint (or one clear line for bad input)."""
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -197,7 +199,10 @@ def test_cli_heals_a_checkpoint(tiny_checkpoints, corpus_file, tmp_path):
                     "--refine-steps", "0", "--calib-text", str(corpus_file), "--calib-tokens", "512",
                     "--eval-tokens", "0", "-o", str(student_dir)]
     assert runner.invoke(app, convert_args).exit_code == 0
-    args = ["heal", str(student_dir), "--teacher", str(tiny_checkpoints["llama-gqa"]), "--text", str(corpus_file),
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], teacher)
+    (teacher / "README.md").write_text("---\nlicense: apache-2.0\n---\n# teacher\n")
+    args = ["heal", str(student_dir), "--teacher", str(teacher), "--text", str(corpus_file),
             "--tokens", "256", "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3",
             "--eval-tokens", "128", "--eval-domains", "none", "-o", str(tmp_path / "healed")]
     result = runner.invoke(app, args)
@@ -208,6 +213,8 @@ def test_cli_heals_a_checkpoint(tiny_checkpoints, corpus_file, tmp_path):
     recipe = (tmp_path / "healed" / "attnsurg_recipe.yaml").read_text()
     assert "heal:" in recipe and "teacher:" in recipe
     assert not (tmp_path / "healed.heal-state").exists()
+    card = ModelCard.load(tmp_path / "healed" / "README.md")
+    assert card.data.license == "apache-2.0"
 
 
 def test_cli_refuses_mismatched_vocabularies(tiny_checkpoints, tmp_path, tokenizer):

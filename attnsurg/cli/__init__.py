@@ -14,7 +14,32 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
-    app(args=global_options_first(sys.argv[1:]), prog_name="attnsurg")
+    app(args=with_aliases(global_options_first(sys.argv[1:])), prog_name="attnsurg")
+
+
+# One vocabulary: --dataset/--text/--tokens/--seq-len name the text a command reads; the surgery commands read
+# two (calibration and evaluation), so theirs are --calib-*. The other spelling is taken in each, unlisted.
+CALIBRATING = {"--dataset": "--calib-dataset", "--text": "--calib-text", "--tokens": "--calib-tokens",
+               "--seq-len": "--calib-seq-len"}
+ALIASES = {
+    ("convert",): CALIBRATING,
+    ("compress",): CALIBRATING,
+    ("analyze", "plan"): CALIBRATING,
+    ("heal",): {calib: plain for plain, calib in CALIBRATING.items()},
+}
+
+
+def with_aliases(args: list[str]) -> list[str]:
+    """The command's own spelling for an option given in another command's (``heal --calib-dataset c4``)."""
+    words = [a for a in args if not a.startswith("-")][:2]
+    aliases = ALIASES.get(tuple(words[:1])) or ALIASES.get(tuple(words), {})
+    if not aliases or "--" in args:
+        return args
+    renamed = []
+    for arg in args:
+        flag, equals, value = arg.partition("=")
+        renamed.append(aliases.get(flag, flag) + equals + value)
+    return renamed
 
 
 def global_options_first(args: list[str]) -> list[str]:

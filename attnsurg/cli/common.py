@@ -33,6 +33,22 @@ recipe_app = typer.Typer(help="Check recipes and list the ones that ship with at
 app.add_typer(assets_app, name="assets")
 app.add_typer(recipe_app, name="recipe")
 
+def hide_flag_types() -> None:
+    """Help shows no type for on/off flags (typer prints ``<bool>`` beside ``--help`` and every flag, though
+    they take no value)."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich
+
+
+hide_flag_types()
+
+
 # Tables go to stdout, whole: piped, up to 160 columns before a table is printed at its natural width.
 class TableConsole(Console):
     """stdout. On a narrow terminal rich shrinks tables' columns and cuts values short (``17.29…``, ``smoll…``);
@@ -154,7 +170,7 @@ EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Tokens of the ev
 EvalDomains = Annotated[
     str,
     typer.Option("--eval-domains", help="Built-in texts also scored before/after (their eval parts), comma-separated; "
-                 "'all' for the six samples, 'none' to skip."),
+                 "'all' for the six samples, 'none' to skip.", show_default=", ".join(EVAL_DOMAINS)),  # spaces: wraps
 ]
 DEFAULT_EVAL_DOMAINS = ",".join(EVAL_DOMAINS)
 EvalDType = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")]

@@ -43,7 +43,7 @@ def eval_perplexity(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")] = 1,
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed set before scoring, so a run repeats exactly.")] = 0,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,

@@ -204,7 +204,8 @@ def input_statistics(model: nn.Module, modules: list[nn.Module], windows: torch.
     stats = [InputStatistics() for _ in modules]
     with on_device(model, device):
         run_with_input_hooks(model, modules, windows, lambda i, x: stats[i].add(x), starts)
-    check_finite(stats)
+    names = {id(module): name for name, module in model.named_modules()}
+    check_finite(stats, [names.get(id(module), f"hooked module {i}") for i, module in enumerate(modules)])
     return stats
 
 

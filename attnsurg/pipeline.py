@@ -22,6 +22,7 @@ from attnsurg.data import parse_datasets, read_text_file
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
+from attnsurg.io.lazy import require_finite
 from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_device
 from attnsurg.io.save import check_output_path, finish_staging, write_checkpoint
 from attnsurg.modeling import register as register_attnsurg
@@ -42,6 +43,8 @@ def load_source(ref: ModelRef, source) -> tuple[PreTrainedModel, object]:
     """The source model in float32 on the CPU (decompositions run in float64 from it) and its tokenizer."""
     with ui.status(f"Loading {ref.ref}..."):
         model = unfused_model(load_model(source, torch.float32, "cpu", ref.trust_remote_code, ref.allow_pickle))
+        for name, tensor in model.state_dict().items():
+            require_finite(name, tensor, ref.ref)
         tokenizer = load_tokenizer(source, ref.trust_remote_code)
     return model, tokenizer
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from attnsurg.calibrate import (
-    SHORT_PROMPT_TOKENS, calibration_windows, input_statistics, prompt_layout, prompts_of, short_prompt_starts,
+    SHORT_PROMPT_TOKENS, InputStatistics, calibration_windows, input_statistics, prompt_layout, prompts_of, short_prompt_starts,
 )
+from attnsurg.errors import UserError
 from attnsurg.pipeline import domain_texts, scored_text
 from attnsurg.recipe import TextData
 
@@ -81,10 +82,23 @@ def test_nan_weights_are_one_line_before_any_decomposition(command, tiny_checkpo
     shutil.copytree(tiny_checkpoints["llama-gqa"], source)
     weights = load_file(source / "model.safetensors")
     weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
-    weights["model.layers.0.mlp.down_proj.weight"][3, 5] = float("nan")
+    weights["model.layers.0.mlp.down_proj.weight"][3, 5] = float("inf")
+    weights["lm_head.weight"][1, 1] = float("nan")  # read by no calibration pass
     save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
     result = CliRunner().invoke(app, [command[0], str(source), *command[1:], "--calib-text", str(corpus_file),
                                       "--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "0",
                                       "-o", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    assert "not finite" in result.output and "Traceback" not in result.output and not (tmp_path / "out").exists()
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+    named = result.output.split("NaN or infinite values in ")[1].split(":")[0]
+    assert named in ("model.layers.0.mlp.down_proj.weight", "lm_head.weight")  # the first read (streamed: the head)
+
+
+def test_activations_that_overflow_are_named_by_the_module_they_enter():
+    from attnsurg.calibrate import check_finite
+
+    stats = [InputStatistics(), InputStatistics()]
+    stats[0].add(torch.ones(1, 3, 4))
+    stats[1].add(torch.full((1, 3, 4), float("inf")))
+    with pytest.raises(UserError, match="model.layers.1.self_attn"):
+        check_finite(stats, ["model.layers.0.self_attn", "model.layers.1.self_attn"])

@@ -78,3 +78,31 @@ flag_text = st.text(alphabet=string.printable.strip() + " ", max_size=24)  # wha
 def test_any_text_as_a_flag_value(text):
     for parse in (parse_layers, parse_budgets, parse_top_k, parse_datasets, parse_targets, parse_tasks):
         value_or_user_error(parse, text)
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_any_bytes_as_a_recipe_file(tmp_path_factory, data):
+    from attnsurg.io.recipe_file import load_recipe
+
+    path = tmp_path_factory.mktemp("fuzz") / "fuzz.yaml"
+    path.write_bytes(data)
+    value_or_user_error(load_recipe, path)
+
+
+CLI_FUZZ = settings(FUZZ, max_examples=min(FUZZ.max_examples, 25))  # each example runs the command line
+
+
+@CLI_FUZZ
+@given(flag_text, flag_text, st.sampled_from(["--kv-budget", "--calib-seq-len", "--calib-tokens", "--rope-dim", "--kv-rank"]))
+def test_any_flag_values_on_the_command_line(tiny_checkpoints, tmp_path_factory, first, second, flag):
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    out = tmp_path_factory.mktemp("fuzz") / "out"
+    args = ["convert", str(tiny_checkpoints["llama-gqa"]), flag, first, "--calib-dataset", second, "--dry-run", "-o", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code in (0, 2), (args, result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit), (args, result.exception)
+    assert not out.exists()

@@ -82,18 +82,19 @@ def test_crash_during_overwrite_keeps_the_old_checkpoint(tiny, tmp_path, monkeyp
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
-def test_checkpoint_modes_follow_the_umask(tiny, tmp_path):
+@pytest.mark.parametrize("umask,folder,files", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_checkpoint_modes_follow_the_umask(tiny, tmp_path, umask, folder, files):
     import os
     import stat
 
     model, tokenizer = tiny
-    previous = os.umask(0o022)
+    previous = os.umask(umask)
     try:
         out = write_checkpoint(model, tokenizer, tmp_path / "shared", CARD)
     finally:
         os.umask(previous)
-    assert stat.S_IMODE(out.stat().st_mode) == 0o755
-    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()} == {0o644}
+    assert stat.S_IMODE(out.stat().st_mode) == folder
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()} == {files}
 
 
 def test_a_local_source_card_gives_base_model_and_license(tmp_path):

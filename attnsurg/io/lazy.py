@@ -43,6 +43,7 @@ class CheckpointReader:
             raise UserError(f"'{self.path}' has no tensor '{name}'")
         with safe_open(str(self.path / self.weight_map[name]), framework="pt") as f:
             tensor = f.get_tensor(name)
+        require_finite(name, tensor, str(self.path))
         return tensor if dtype is None else tensor.to(dtype)
 
     def state(self, prefix: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -56,8 +57,16 @@ class CheckpointReader:
             with safe_open(str(self.path / filename), framework="pt") as f:
                 for name in in_file:
                     tensor = f.get_tensor(name)
+                    require_finite(name, tensor, str(self.path))
                     state[name.removeprefix(prefix)] = tensor if dtype is None else tensor.to(dtype)
         return state
+
+
+def require_finite(name: str, tensor: torch.Tensor, where: str) -> None:
+    """NaN or infinity in a stored weight is a corrupt checkpoint: named before any work reads it."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise UserError(f"'{where}' has NaN or infinite values in {name}: the checkpoint is corrupt; "
+                        "fetch or export it again")
 
 
 def decoder_layer_class(config: PretrainedConfig) -> type[nn.Module]:

@@ -41,12 +41,16 @@ def peak_memory_gb() -> float:
 
 def load_source(ref: ModelRef, source) -> tuple[PreTrainedModel, object]:
     """The source model in float32 on the CPU (decompositions run in float64 from it) and its tokenizer."""
+    return load_source_model(ref, source), load_tokenizer(source, ref.trust_remote_code)
+
+
+def load_source_model(ref: ModelRef, source) -> PreTrainedModel:
+    """The source model alone, float32 on the CPU, its weights checked finite."""
     with ui.status(f"Loading {ref.ref}..."):
         model = unfused_model(load_model(source, torch.float32, "cpu", ref.trust_remote_code, ref.allow_pickle))
-        for name, tensor in model.state_dict().items():
-            require_finite(name, tensor, ref.ref)
-        tokenizer = load_tokenizer(source, ref.trust_remote_code)
-    return model, tokenizer
+    for name, tensor in model.state_dict().items():
+        require_finite(name, tensor, ref.ref)
+    return model
 
 
 def window_length(calibration: Calibration, anatomy: AttentionAnatomy) -> int:
@@ -233,11 +237,10 @@ def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool
     set_seed(request.seed)
     started = time.perf_counter()
     family = family_for_surgery(anatomy.model_type)
-    if load_weights:
-        model, tokenizer = load_source(request.model, source)
-    else:
-        model, tokenizer = None, load_tokenizer(source, request.model.trust_remote_code)
-    return Surgery(family, model, tokenizer, source_windows(tokenizer, request.calibration, anatomy), started, device)
+    tokenizer = load_tokenizer(source, request.model.trust_remote_code)
+    windows = source_windows(tokenizer, request.calibration, anatomy)  # a text too short fails before the weights load
+    model = load_source_model(request.model, source) if load_weights else None
+    return Surgery(family, model, tokenizer, windows, started, device)
 
 
 def start_streamed(request, source, anatomy: AttentionAnatomy, recipe: Recipe) -> tuple[Surgery, PretrainedConfig, torch.dtype]:

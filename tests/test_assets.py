@@ -46,3 +46,24 @@ def test_listing_shows_cache_state(tmp_path, monkeypatch):
     (tmp_path / "text").mkdir()
     Path(tmp_path / "text" / "wiki.utf8").write_text("x")
     assert assets.asset_table_rows()[1]["cached"].endswith("wiki.utf8")
+
+
+def test_a_private_demo_cache_from_an_older_version_is_opened_to_the_umask(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from attnsurg.io.assets import ASSETS, COMPLETE_MARKER, DEMO_MODEL, asset_path, ensure_demo_model
+
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
+    target = asset_path(ASSETS[DEMO_MODEL])
+    target.mkdir(parents=True)
+    (target / COMPLETE_MARKER).write_text("{}")
+    (target / COMPLETE_MARKER).chmod(0o600)
+    target.chmod(0o700)
+    previous = os.umask(0o022)
+    try:
+        assert ensure_demo_model() == target
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+    assert stat.S_IMODE((target / COMPLETE_MARKER).stat().st_mode) == 0o644

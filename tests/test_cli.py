@@ -299,6 +299,8 @@ def test_tables_on_a_narrow_terminal_keep_every_value_whole():
 
 BAD_INPUTS = {
     "windows longer than the tokens": (["convert", "{model}", "--calib-tokens", "32"], "is longer than the 32 calibration tokens"),
+    "calibration text shorter than a window": (["convert", "{model}", "--calib-text", "{short}", "--calib-seq-len", "64"],
+                                               "fewer than one window of 64"),
     "missing calibration text": (["convert", "{model}", "--calib-text", "{tmp}/no.txt"], "does not exist"),
     "binary calibration text": (["compress", "{model}", "--method", "svd", "--ratio", "0.5", "--calib-text", "{binary}"], "is not UTF-8"),
     "unknown calibration dataset": (["convert", "{model}", "--calib-dataset", "wikki-sample"], "did you mean 'wiki-sample'"),
@@ -321,7 +323,10 @@ def test_every_bad_input_is_one_line_before_any_model_loads_and_writes_nothing(c
         raise AssertionError("a model was loaded before the input was checked")
 
     monkeypatch.setattr(attnsurg.pipeline, "load_source", never)
+    monkeypatch.setattr(attnsurg.pipeline, "load_source_model", never)
     monkeypatch.setattr(attnsurg.eval.loading, "load_model", never)
+    short = tmp_path / "short.txt"
+    short.write_text("A few words.")
     binary = tmp_path / "noise.bin"
     binary.write_bytes(bytes(range(256)) * 8)
     escaping = tmp_path / "escaping.yaml"
@@ -331,7 +336,8 @@ def test_every_bad_input_is_one_line_before_any_model_loads_and_writes_nothing(c
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 0}))
     args, fragment = BAD_INPUTS[case]
-    values = dict(model=tiny_checkpoints["llama-gqa"], tmp=tmp_path, binary=binary, escaping=escaping, broken=broken)
+    values = dict(model=tiny_checkpoints["llama-gqa"], tmp=tmp_path, binary=binary, escaping=escaping, broken=broken,
+                  short=short)
     args = [a.format(**values) for a in args]
     if args[0] != "run" and args[:2] != ["eval", "perplexity"]:
         args += ["-o", str(tmp_path / "out")]

@@ -168,3 +168,22 @@ def test_device_and_dtype_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="no CUDA GPU"):
             resolve_device("cuda")
+
+
+@pytest.mark.parametrize("architecture,message", [("bert", "not supported"), ("mamba", "has no num_attention_heads")])
+def test_a_gguf_of_an_architecture_without_surgery_is_one_line(tmp_path, architecture, message):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / f"{architecture}.gguf"
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_context_length(16)
+    writer.add_embedding_length(8)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match=message):
+        load_config(resolve_source(str(path)))

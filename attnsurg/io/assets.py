@@ -235,11 +235,15 @@ def ensure_demo_model(name: str = DEMO_MODEL) -> Path:
     """Path to the demo model as a safetensors checkpoint directory, building it on first use."""
     from attnsurg.io.card import CardInfo
     from attnsurg.io.gguf_load import load_gguf
-    from attnsurg.io.save import write_checkpoint
+    from attnsurg.io.save import share_as_umask_allows, write_checkpoint
 
     asset = ASSETS[name]
     target = asset_path(asset)
     if is_cached(asset):
+        try:  # caches built before checkpoints followed the umask are private to their writer
+            share_as_umask_allows(target)
+        except PermissionError:  # another account's cache: theirs to set
+            pass
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-gguf-") as tmp:

@@ -64,8 +64,8 @@ def check_calibration(calibration: Calibration, anatomy: AttentionAnatomy) -> No
     seq_len = window_length(calibration, anatomy)
     if seq_len > calibration.tokens:
         capped = f" (capped at the model's context, {seq_len})" if seq_len < calibration.seq_len else ""
-        raise UserError(f"--calib-seq-len {calibration.seq_len}{capped} is longer than the {calibration.tokens} calibration "
-                        "tokens (--calib-tokens) windows are cut from; lower it or read more tokens")
+        raise UserError(f"calibration seq_len (--calib-seq-len) {calibration.seq_len}{capped} is longer than its tokens "
+                        f"(--calib-tokens) {calibration.tokens}, which windows are cut from; lower it or read more tokens")
     if calibration.data.text is not None:
         read_text_file(Path(calibration.data.text))
 

@@ -298,7 +298,7 @@ def test_tables_on_a_narrow_terminal_keep_every_value_whole():
 
 
 BAD_INPUTS = {
-    "windows longer than the tokens": (["convert", "{model}", "--calib-tokens", "32"], "is longer than the 32 calibration tokens"),
+    "windows longer than the tokens": (["convert", "{model}", "--calib-tokens", "32"], "is longer than its tokens (--calib-tokens) 32"),
     "calibration text shorter than a window": (["convert", "{model}", "--calib-text", "{short}", "--calib-seq-len", "64"],
                                                "fewer than one window of 64"),
     "missing calibration text": (["convert", "{model}", "--calib-text", "{tmp}/no.txt"], "does not exist"),

@@ -213,3 +213,14 @@ def test_a_binary_recipe_file_is_one_line(tmp_path):
     path.write_bytes(bytes(range(256)) * 4)
     result = CliRunner().invoke(app, ["recipe", "validate", str(path)])
     assert result.exit_code == 2 and "not UTF-8 text" in result.output and "Traceback" not in result.output
+
+
+def test_validate_checks_what_a_dry_run_checks_when_the_model_is_here(tiny_checkpoints, tmp_path):
+    path = tmp_path / "long.yaml"
+    path.write_text(f"model: {tiny_checkpoints['llama-gqa']}\noutput: out\nsteps:\n  - convert: {{kv_budget: 0.5}}\n"
+                    "calibration: {tokens: 32, seq_len: 64}\n")
+    result = CliRunner().invoke(app, ["recipe", "validate", str(path)])
+    assert result.exit_code == 2 and f"{path}: calibration seq_len (--calib-seq-len) 64" in result.output, result.output
+    elsewhere = tmp_path / "hub.yaml"
+    elsewhere.write_text("model: some-org/some-model\noutput: out\nsteps:\n  - convert: {kv_budget: 0.5}\n")
+    assert CliRunner().invoke(app, ["recipe", "validate", str(elsewhere)]).exit_code == 0  # no fetch to validate

@@ -55,22 +55,33 @@ def run(
 def recipe_validate(
     paths: Annotated[list[Path], typer.Argument(metavar="RECIPE...", help="Recipe files or shipped names.")],
 ) -> None:
-    """Check recipes against the schema (unknown keys, types, value ranges, methods) without running them;
-    every file is checked, and the exit code is 2 when any fails."""
+    """Check recipes without running them: the schema (unknown keys, types, value ranges, methods), and, when
+    the model is on this machine, everything --dry-run checks against it (budgets, windows, texts); every file
+    is checked, and the exit code is 2 when any fails."""
     from attnsurg.io.recipe_file import load_recipe, resolve_recipe
+    from attnsurg.run import run_recipe
 
     failed = []
     for path in paths:
         try:
             recipe = load_recipe(path)
+            if model_on_this_machine(recipe.model.ref):
+                run_recipe(recipe, dry_run=True)
         except UserError as exc:
-            print_error(str(exc))
+            print_error(f"{resolve_recipe(path)}: {exc}" if str(path) not in str(exc) else str(exc))
             failed.append(path)
             continue
         kinds = " -> ".join(recipe_step_label(step) for step in recipe.steps)
         out.print(f"{resolve_recipe(path)}: ok ({recipe.model.ref}: {kinds} -> {recipe.output})", highlight=False)
     if failed:
         raise typer.Exit(UserError.exit_code)
+
+
+def model_on_this_machine(ref: str) -> bool:
+    """A local checkpoint, or a built-in model already in the cache: its config is read without a fetch."""
+    from attnsurg.io.assets import ASSETS, is_cached
+
+    return is_cached(ASSETS[ref]) if ref in ASSETS else Path(ref).exists()
 
 
 def recipe_step_label(step) -> str:

@@ -46,20 +46,23 @@ def context(tmp_path_factory):
                        list(zip(stats[:2], stats[2:])), (), 1.0)
 
 
-@pytest.mark.parametrize("method", ["svdllm", "loki", "mla"])
+@pytest.mark.parametrize("method", ["svdllm", "loki", "mla", "tucker", "cp"])
 def test_each_proxy_falls_as_the_budget_grows_and_vanishes_at_full_budget(context, method):
     budgets = (0.25, 0.5, 0.75, 1.0)
     per_layer = PLANNED[method].proxy(context, budgets)
     assert len(per_layer) == len(budgets) and all(len(row) == 2 for row in per_layer)
     totals = [sum(row) for row in per_layer]
     assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1], totals
+    if method in ("tucker", "cp"):  # a ratio of 1 buys ranks below full (the factors cost parameters too)
+        assert totals[-1] < totals[0] / 4, totals
+        return
     # loki and the low-rank latent are exact at full budget; the native MLA format fits its norm channel
     assert totals[-1] < (1e-2 if method == "mla" else 1e-9), totals
 
 
 def test_plan_writes_a_report_with_its_schema_a_plot_and_runnable_recipes(tiny_checkpoints, corpus_file, tmp_path):
     out = tmp_path / "plan"
-    args = ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,loki", "--text", str(corpus_file),
+    args = ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,loki,tucker", "--calib-text", str(corpus_file),
             "--calib-tokens", "512", "--calib-seq-len", "64", "--eval-tokens", "256", "--target-ratio", "1.5",
             "--verify", "-o", str(out), "--json"]
     result = CliRunner().invoke(app, args)
@@ -71,12 +74,12 @@ def test_plan_writes_a_report_with_its_schema_a_plot_and_runnable_recipes(tiny_c
         assert len(method["anchors"]) == 2 and all(math.isfinite(a["ratio"]) for a in method["anchors"])
         assert method["chosen"] is not None and method["measured_ratio"] is not None
         recipe = parse_recipe((out / f"{method['method']}.yaml").read_text())
-        budget = recipe.surgery.ratio if method["method"] == "svdllm" else recipe.surgery.top_k
+        budget = recipe.surgery.top_k if method["method"] == "loki" else recipe.surgery.ratio
         assert budget == method["chosen"]
 
 
 def test_unknown_methods_are_one_line_and_exit_2(tiny_checkpoints, tmp_path):
-    result = CliRunner().invoke(app, ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,tucker",
+    result = CliRunner().invoke(app, ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,magic",
                                       "-o", str(tmp_path / "p")])
-    assert result.exit_code == 2 and "tucker and cp are not planned yet" in result.output
+    assert result.exit_code == 2 and "plan any of svd, asvd, svdllm, loki, mla, tucker, cp" in result.output
     assert not (tmp_path / "p").exists()

@@ -8,7 +8,10 @@ Per method, a per-layer error proxy is measured on the model at every candidate 
 - loki (half the head dim scores keys; the budget is the share of each query's context kept): each layer's
   attention mass outside each query's top-k keys, mean over heads;
 - mla (the KV budget): each layer's closed-form relative output error on calibration windows (the
-  conversion before refinement).
+  conversion before refinement);
+- tucker, cp (q, k, v and o per head as 3-way tensors; the budget is the share of attention parameters
+  kept): each layer's mean squared relative error of the decomposition ``compress`` fits to each whitened
+  projection tensor.
 
 A budget's proxy is the sum over layers. The error model maps it to a perplexity ratio,
 ``log(ratio) = a * proxy^p``, with ``a`` and ``p`` fitted to two real conversions of the model (the anchors,
@@ -43,6 +46,7 @@ from attnsurg.info import inspect_model
 from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
+from attnsurg.methods import headtensor
 from attnsurg.methods.lowrank import decompose, layer_contexts, plan_units, uniform_ranks
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
 from attnsurg.pipeline import Surgery, load_source, source_windows
@@ -51,6 +55,7 @@ from attnsurg.recipe import (
     EVAL_DOMAINS,
     REQUEST_FOR,
     ConvertMLA,
+    HeadTensorSettings,
     LokiSettings,
     LowRankSettings,
     MLASettings,
@@ -149,6 +154,29 @@ def mla_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]
     return errors
 
 
+def headtensor_proxy(method: str) -> Callable[[PlanContext, tuple[float, ...]], list[list[float]]]:
+    def proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
+        targets = HeadTensorSettings().targets
+        contexts = layer_contexts(ctx.model, ctx.family, ctx.stats, ctx.windows.shape[1])
+        plans = [headtensor.plan_head_tensor(ctx.anatomy, method, targets, ratio=budget) for budget in budgets]
+        decomposer = headtensor.DECOMPOSERS[method]
+        errors = [[0.0] * ctx.anatomy.num_layers for _ in budgets]
+        for index, unit in enumerate(plans[0].units):
+            *_, whitened = headtensor.whitened_unit(ctx.model, ctx.family, contexts, ctx.stats, unit, True)
+            for row, plan in zip(errors, plans, strict=True):
+                ranks = headtensor.unit_ranks(plan, index, whitened)
+                if ranks is not None:
+                    fit = decomposer.decompose(whitened.tensor, ranks, headtensor.MAX_ITERATIONS, decomposer.TOLERANCE,
+                                               ctx.request.seed)
+                    row[unit.layer] += fit.relative_error ** 2 / len(targets)
+        return errors
+    return proxy
+
+
+def headtensor_settings(method: str) -> Callable[[float, AttentionAnatomy], BaseModel]:
+    return lambda budget, anatomy: HeadTensorSettings(method=method, ratio=budget)
+
+
 def lowrank_settings(method: str) -> Callable[[float, AttentionAnatomy], BaseModel]:
     return lambda budget, anatomy: LowRankSettings(method=method, targets=("k", "v"), kv_latent=True, ratio=budget)
 
@@ -161,6 +189,7 @@ def mla_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
     return MLASettings(kv_budget=budget)
 
 
+PARAMETER_BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # tucker, cp: the share of attention parameters kept
 KV_BUDGETS = (0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875)
 PLANNED: dict[str, PlannedMethod] = {
     **{m: PlannedMethod(m, KV_BUDGETS, (0.25, 0.5), lowrank_settings(m), lowrank_proxy(m)) for m in ("svd", "asvd", "svdllm")},
@@ -168,6 +197,7 @@ PLANNED: dict[str, PlannedMethod] = {
                           loki_settings, loki_proxy),
     "mla": PlannedMethod("mla", (0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75), (0.25, 0.5),
                          mla_settings, mla_proxy),
+    **{m: PlannedMethod(m, PARAMETER_BUDGETS, (0.5, 0.8), headtensor_settings(m), headtensor_proxy(m)) for m in ("tucker", "cp")},
 }
 
 
@@ -175,7 +205,7 @@ def parse_methods(value: str) -> list[str]:
     names = [name.strip() for name in value.split(",") if name.strip()]
     unknown = [name for name in names if name not in PLANNED]
     if unknown or not names:
-        raise UserError(f"--methods '{value}': plan any of {', '.join(PLANNED)} (tucker and cp are not planned yet)")
+        raise UserError(f"--methods '{value}': plan any of {', '.join(PLANNED)}")
     return names
 
 

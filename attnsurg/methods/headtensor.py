@@ -312,6 +312,25 @@ def warn_unconverged(unconverged: list[tuple[str, float]], total: int, what: str
 
 
 @torch.no_grad()
+def whitened_unit(source: PreTrainedModel, family: Family, contexts: list[LayerContext],
+                  stats: list[tuple[InputStatistics, InputStatistics]], unit: HeadUnit, weighted: bool):
+    """A unit's module path, its linear layer, input statistics, consumer blocks and whitened tensor."""
+    path = f"{family.layers_path}.{unit.layer}.{family.attention_attr}.{PROJECTIONS[unit.name]}"
+    linear = source.get_submodule(path)
+    x_stats, o_stats = stats[unit.layer]
+    unit_stats = o_stats if unit.name == "o" else x_stats
+    consumer = consumer_blocks(unit, contexts[unit.layer]) if weighted else None
+    return path, linear, unit_stats, consumer, whiten(unit, linear.weight, unit_stats, consumer)
+
+
+def unit_ranks(plan: HeadTensorPlan, index: int, w: Whitened) -> tuple[int, ...] | None:
+    """Unit ``index``'s ranks: as planned, or (Tucker at a --ratio) the mode ranks of its budget that fit its
+    whitened tensor best; None when the budget holds the dense weight."""
+    if plan.choose_ranks:
+        plan.ranks[index] = DECOMPOSERS[plan.method].best_ranks_for_budget(w.tensor, plan.budgets[index])
+    return plan.ranks[index]
+
+
 def compress_head_tensor(
     source: PreTrainedModel,
     family: Family,
@@ -326,22 +345,17 @@ def compress_head_tensor(
     contexts = layer_contexts(source, family, stats, seq_len)
     replaced, errors, unconverged = {}, [], []
     for i, unit in enumerate(plan.units):
-        path = f"{family.layers_path}.{unit.layer}.{family.attention_attr}.{PROJECTIONS[unit.name]}"
-        linear = source.get_submodule(path)
-        x_stats, o_stats = stats[unit.layer]
-        consumer = consumer_blocks(unit, contexts[unit.layer]) if plan.weighted else None
-        w = whiten(unit, linear.weight, o_stats if unit.name == "o" else x_stats, consumer)
-        if plan.choose_ranks:
-            plan.ranks[i] = decomposer.best_ranks_for_budget(w.tensor, plan.budgets[i])
-        if plan.ranks[i] is None:
+        path, linear, unit_stats, consumer, w = whitened_unit(source, family, contexts, stats, unit, plan.weighted)
+        ranks = unit_ranks(plan, i, w)
+        if ranks is None:
             errors.append(0.0)
         else:
-            fit = decomposer.decompose(w.tensor, plan.ranks[i], MAX_ITERATIONS, decomposer.TOLERANCE, seed)
+            fit = decomposer.decompose(w.tensor, ranks, MAX_ITERATIONS, decomposer.TOLERANCE, seed)
             errors.append(fit.relative_error)
             if not fit.converged:
                 unconverged.append((unit.label, fit.relative_error))
             state = module_state(plan, fit.factors, w, linear.bias)
-            refit_hidden_factor(unit, state, linear.weight, o_stats if unit.name == "o" else x_stats, consumer)
+            refit_hidden_factor(unit, state, linear.weight, unit_stats, consumer)
             replaced[path] = state
         if progress and (i + 1 == len(plan.units) or plan.units[i + 1].layer != unit.layer):
             progress()

@@ -46,7 +46,7 @@ def context(tmp_path_factory):
                        list(zip(stats[:2], stats[2:])), (), 1.0)
 
 
-@pytest.mark.parametrize("method", ["svdllm", "loki", "mla", "tucker", "cp"])
+@pytest.mark.parametrize("method", ["svdllm", "svdllm-allocate", "loki", "mla", "tucker", "cp"])
 def test_each_proxy_falls_as_the_budget_grows_and_vanishes_at_full_budget(context, method):
     budgets = (0.25, 0.5, 0.75, 1.0)
     per_layer = PLANNED[method].proxy(context, budgets)
@@ -81,5 +81,13 @@ def test_plan_writes_a_report_with_its_schema_a_plot_and_runnable_recipes(tiny_c
 def test_unknown_methods_are_one_line_and_exit_2(tiny_checkpoints, tmp_path):
     result = CliRunner().invoke(app, ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,magic",
                                       "-o", str(tmp_path / "p")])
-    assert result.exit_code == 2 and "plan any of svd, asvd, svdllm, loki, mla, tucker, cp" in result.output
+    assert result.exit_code == 2 and "plan any of svd, asvd, svdllm, svd-allocate" in result.output
     assert not (tmp_path / "p").exists()
+
+
+def test_allocated_ranks_lose_no_more_energy_than_uniform_ones_at_the_same_cache(context):
+    budgets = (0.25, 0.5)
+    uniform = [sum(row) for row in PLANNED["svdllm"].proxy(context, budgets)]
+    allocated = [sum(row) for row in PLANNED["svdllm-allocate"].proxy(context, budgets)]
+    assert all(a <= u + 1e-9 for a, u in zip(allocated, uniform)), (allocated, uniform)
+    assert PLANNED["svdllm-allocate"].settings(0.5, context.anatomy).allocate

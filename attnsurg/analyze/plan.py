@@ -5,6 +5,7 @@ Per method, a per-layer error proxy is measured on the model at every candidate 
 
 - svd, asvd, svdllm (a k/v latent: the budget is the share of the KV cache kept): each layer's relative
   truncation energy in the method's own metric (the discarded share of the spectrum ``compress`` truncates);
+  ``svdllm-allocate`` (and svd-, asvd-) the same at the per-layer ranks ``--allocate`` spreads the budget to;
 - loki (half the head dim scores keys; the budget is the share of each query's context kept): each layer's
   attention mass outside each query's top-k keys, mean over heads;
 - mla (the KV budget): each layer's closed-form relative output error on calibration windows (the
@@ -47,7 +48,7 @@ from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods import headtensor
-from attnsurg.methods.lowrank import decompose, layer_contexts, plan_units, uniform_ranks
+from attnsurg.methods.lowrank import allocated_ranks, decompose, layer_contexts, plan_units, uniform_ranks
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
 from attnsurg.pipeline import Surgery, load_source, source_windows
 from attnsurg.placement import on_device
@@ -99,12 +100,17 @@ class PlannedMethod:
 
 
 # ------------------------------------------------------------------------------------------ proxies
-def lowrank_proxy(method: str) -> Callable[[PlanContext, tuple[float, ...]], list[list[float]]]:
+def lowrank_proxy(method: str, allocate: bool = False) -> Callable[[PlanContext, tuple[float, ...]], list[list[float]]]:
     def proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
         contexts = layer_contexts(ctx.model, ctx.family, ctx.stats, ctx.windows.shape[1])
         units = plan_units(ctx.anatomy, ("k", "v"), kv_latent=True)
         spectra = [decompose(unit, contexts[unit.layer], method, weighted=method == "svdllm") for unit in units]
-        return [[s.relative_error(rank) for s, rank in zip(spectra, uniform_ranks(units, budget, None, True), strict=True)]
+
+        def ranks_at(budget: float) -> list[int | None]:
+            uniform = uniform_ranks(units, budget, None, True)
+            return allocated_ranks(units, [s.S for s in spectra], uniform) if allocate else uniform
+
+        return [[s.relative_error(rank) if rank is not None else 0.0 for s, rank in zip(spectra, ranks_at(budget), strict=True)]
                 for budget in budgets]
     return proxy
 
@@ -177,8 +183,9 @@ def headtensor_settings(method: str) -> Callable[[float, AttentionAnatomy], Base
     return lambda budget, anatomy: HeadTensorSettings(method=method, ratio=budget)
 
 
-def lowrank_settings(method: str) -> Callable[[float, AttentionAnatomy], BaseModel]:
-    return lambda budget, anatomy: LowRankSettings(method=method, targets=("k", "v"), kv_latent=True, ratio=budget)
+def lowrank_settings(method: str, allocate: bool = False) -> Callable[[float, AttentionAnatomy], BaseModel]:
+    return lambda budget, anatomy: LowRankSettings(method=method, targets=("k", "v"), kv_latent=True, ratio=budget,
+                                                   allocate=allocate)
 
 
 def loki_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
@@ -193,6 +200,8 @@ PARAMETER_BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # tucker, cp: the share
 KV_BUDGETS = (0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875)
 PLANNED: dict[str, PlannedMethod] = {
     **{m: PlannedMethod(m, KV_BUDGETS, (0.25, 0.5), lowrank_settings(m), lowrank_proxy(m)) for m in ("svd", "asvd", "svdllm")},
+    **{f"{m}-allocate": PlannedMethod(f"{m}-allocate", KV_BUDGETS, (0.25, 0.5), lowrank_settings(m, True),
+                                      lowrank_proxy(m, True)) for m in ("svd", "asvd", "svdllm")},
     "loki": PlannedMethod("loki", (1 / 32, 1 / 16, 0.09375, 0.125, 0.1875, 0.25, 0.375, 0.5), (1 / 16, 0.25),
                           loki_settings, loki_proxy),
     "mla": PlannedMethod("mla", (0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75), (0.25, 0.5),

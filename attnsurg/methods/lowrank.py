@@ -428,6 +428,13 @@ def allocate_ranks(units: list[Unit], spectra: list[torch.Tensor], budget: int, 
     return ranks
 
 
+def allocated_ranks(units: list[Unit], spectra: list[torch.Tensor], uniform: list[int | None]) -> list[int]:
+    """``--allocate``: the uniform ranks' total cost (parameters; cached values for latents) spread over the
+    units by their spectra."""
+    budget = sum(u.params(r) if u.name != "kv" else r for u, r in zip(units, uniform))
+    return allocate_ranks(units, spectra, budget, allocation_floors(units, uniform))
+
+
 def allocation_floors(units: list[Unit], uniform: list[int | None]) -> list[int]:
     """No unit below ALLOCATION_FLOOR of its uniform rank: relative energy does not see how much the loss
     depends on each layer, and starving a few layers entirely was measured to cost more than it saves."""
@@ -494,8 +501,7 @@ def compress(
     contexts = layer_contexts(source, family, stats, seq_len)
     if plan.allocate:
         spectra = [decompose(u, contexts[u.layer], plan.method, plan.weighted).S for u in plan.units]
-        budget = sum(u.params(r) if u.name != "kv" else r for u, r in zip(plan.units, plan.ranks))
-        plan.ranks = allocate_ranks(plan.units, spectra, budget, allocation_floors(plan.units, plan.ranks))
+        plan.ranks = allocated_ranks(plan.units, spectra, plan.ranks)
     factors, errors = {}, []
     for unit, rank in zip(plan.units, plan.ranks):
         if rank is None:

@@ -1,7 +1,7 @@
 """llama.cpp against transformers on the same token ids, for the original demo model and its MLA conversion.
 
     python benchmarks/engine_check.py [--budget 0.25] [--converted DIR] [--contexts 4096,16384] [--new-tokens 64]
-                                      [--windows 2] [--window 1024] [--threads 2]
+                                      [--windows 2] [--window 1024] [--threads 2] [--flash-attn]
 
 Builds llama.cpp once from the pinned llama-cpp-python source distribution on PyPI (pip compiles it with
 cmake, CPU only) into $ATTNSURG_CACHE/engines, converts the demo model unless --converted is given, exports
@@ -113,7 +113,8 @@ def measure(name: str, checkpoint: str, python: Path, work: Path, args, windows,
     }
     record["ppl_relative_difference"] = record["ppl_llama_cpp"] / record["ppl_transformers"] - 1
     for context in args.contexts:
-        result, log = worker(python, "speed", str(gguf_path), str(context), str(args.new_tokens), str(args.threads))
+        result, log = worker(python, "speed", str(gguf_path), str(context), str(args.new_tokens), str(args.threads),
+                             *(["fa"] if args.flash_attn else []))
         sizes = KV_LOG.findall(log)
         result["kv_cache_mib"] = float(sizes[-1]) if sizes else None
         record["speed"][context] = result
@@ -149,6 +150,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--flash-attn", action="store_true", help="speed runs with llama.cpp's flash attention on")
     parser.add_argument("--work-dir", type=Path, default=Path("out/engine"))
     args = parser.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",") if c]

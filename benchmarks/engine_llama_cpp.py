@@ -2,7 +2,8 @@
 
     python engine_llama_cpp.py logits MODEL.gguf IDS.json OUT.npy     # logits at every position of each window
     python engine_llama_cpp.py greedy MODEL.gguf IDS.json N            # N greedy tokens after each prompt
-    python engine_llama_cpp.py speed MODEL.gguf CONTEXT NEW THREADS     # prefill and decode tokens/s at a depth
+    python engine_llama_cpp.py speed MODEL.gguf CONTEXT NEW THREADS [fa] # prefill and decode tokens/s at a depth
+                                                                         # (fa: llama.cpp's flash attention on)
 
 Needs only numpy and llama_cpp. Prints one JSON line on stdout; llama.cpp's own log goes to stderr (the
 caller reads the KV cache size from it).
@@ -18,9 +19,9 @@ import numpy as np
 from llama_cpp import Llama
 
 
-def load(path: str, n_ctx: int, logits_all: bool, threads: int = 2, verbose: bool = False) -> Llama:
+def load(path: str, n_ctx: int, logits_all: bool, threads: int = 2, verbose: bool = False, flash: bool = False) -> Llama:
     return Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, logits_all=logits_all, n_threads=threads,
-                 n_threads_batch=threads, verbose=verbose, seed=0)
+                 n_threads_batch=threads, verbose=verbose, seed=0, flash_attn=flash)
 
 
 def next_token(model: Llama) -> int:
@@ -54,8 +55,8 @@ def greedy(path: str, prompts: list[list[int]], new: int) -> dict:
     return {"tokens": generated}
 
 
-def speed(path: str, context: int, new: int, threads: int) -> dict:
-    model = load(path, context + new, logits_all=False, threads=threads, verbose=True)
+def speed(path: str, context: int, new: int, threads: int, flash: bool = False) -> dict:
+    model = load(path, context + new, logits_all=False, threads=threads, verbose=True, flash=flash)
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, model.n_vocab() - 100, size=context)]
     start = time.perf_counter()
     model.eval(prompt)
@@ -74,7 +75,7 @@ def main() -> None:
     elif mode == "greedy":
         result = greedy(path, json.loads(open(sys.argv[3]).read()), int(sys.argv[4]))
     else:
-        result = speed(path, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        result = speed(path, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:] == ["fa"])
     print(json.dumps(result), flush=True)
 
 

@@ -308,7 +308,7 @@ BAD_INPUTS = {
     "unknown method": (["compress", "{model}", "--method", "magic"], "magic"),
     "second model mistyped": (["eval", "perplexity", "{model}", "{tmp}/TYPO", "--max-length", "64"], "TYPO"),
     "bracketed missing model": (["convert", "{tmp}/run[bold]/m[/x]"], "run[bold]/m[/x]"),
-    "recipe writing outside": (["run", "{escaping}"], "climbs out with '..'"),
+    "recipe writing outside": (["run", "{escaping}"], "climbs out of the working folder"),
     "binary recipe": (["run", "{binary}"], "not UTF-8 text"),
     "impossible config": (["convert", "{broken}"], "num_key_value_heads is 0"),
 }
@@ -355,6 +355,7 @@ def test_each_command_takes_the_other_spelling_of_its_text_options():
         ["convert", "m", "--calib-text", "f.txt", "--calib-tokens", "64"]
     assert with_aliases(["analyze", "plan", "m", "--dataset", "all"])[-2] == "--calib-dataset"
     assert with_aliases(["eval", "perplexity", "m", "--dataset", "c4-sample"])[-2] == "--dataset"
+    assert with_aliases(["convert", "m", "--calib-text", "--text"])[-1] == "--text"  # a file of that name
 
 
 @pytest.mark.parametrize("command", [["convert"], ["compress"], ["heal"], ["run"], ["info"], ["export"], ["eval", "perplexity"],

@@ -516,7 +516,7 @@ def test_native_dominance_keeps_typical_tokens_and_bounds_a_token_whose_channel_
     for dominance in mla.CHANNEL_DOMINANCES:
         other = mla.with_dominance(w, dominance)
         gap = (normed_latent(other, tokens) - typical).norm() / typical.norm()
-        assert gap < 0.1 * (8 / dominance) ** 2, (dominance, gap)
+        assert gap < (0.02 if dominance >= 8 else 0.3), (dominance, gap)  # the channel's share of the norm shrinks
         growth = normed_latent(other, vanished).norm(dim=-1) / typical.norm(dim=-1)
         assert growth.max() < 2 * dominance, (dominance, growth.max())
     assert normed_latent(w, vanished).norm(dim=-1).div(typical.norm(dim=-1)).max() > 4

@@ -50,7 +50,7 @@ from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods import headtensor
 from attnsurg.methods.lowrank import allocated_ranks, decompose, layer_contexts, plan_units, uniform_ranks
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
-from attnsurg.pipeline import Surgery, load_source, source_windows
+from attnsurg.pipeline import Surgery, check_calibration, load_source, source_windows
 from attnsurg.placement import on_device
 from attnsurg.recipe import (
     EVAL_DOMAINS,
@@ -318,6 +318,7 @@ def load_context(request: PlanRequest) -> PlanContext:
     source, _, anatomy = inspect_model(request.model)
     family = family_for_surgery(anatomy.model_type)
     device = resolve_device(request.device)
+    check_calibration(request.calibration, anatomy)
     model, tokenizer = load_source(request.model, source)
     windows = source_windows(tokenizer, request.calibration, anatomy)
     attentions = attention_layers(model, family)

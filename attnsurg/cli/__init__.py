@@ -36,9 +36,10 @@ def with_aliases(args: list[str]) -> list[str]:
     if not aliases or "--" in args:
         return args
     renamed = []
-    for arg in args:
+    for index, arg in enumerate(args):
         flag, equals, value = arg.partition("=")
-        renamed.append(aliases.get(flag, flag) + equals + value)
+        is_value = index > 0 and args[index - 1] in {*aliases, *aliases.values()}  # `--calib-text --text`: a file
+        renamed.append(arg if is_value else aliases.get(flag, flag) + equals + value)
     return renamed
 
 

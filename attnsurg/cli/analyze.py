@@ -210,7 +210,7 @@ def plan(
     model: ModelArgument,
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan directory (plan.json, plan.png, a recipe per method).")],
     target_ratio: Annotated[float, typer.Option("--target-ratio", help="Largest perplexity ratio to the source allowed.")] = 1.3,
-    methods: Annotated[str, typer.Option("--methods", help="Methods to plan, comma-separated: svd, asvd, svdllm, loki, mla, tucker, cp.")] = "svdllm,loki,mla",
+    methods: Annotated[str, typer.Option("--methods", help="Methods to plan, comma-separated: svd, asvd, svdllm (each also as NAME-allocate: per-layer ranks), loki, mla, tucker, cp.")] = "svdllm,loki,mla",
     dataset: CalibDataset = "wiki-sample",
     text: CalibText = None,
     calib_tokens: CalibTokens = 4096,

@@ -39,12 +39,14 @@ def run(
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Run a YAML recipe: surgery, optional healing, evaluation, checkpoint."""
-    from attnsurg.io.recipe_file import load_recipe
+    from attnsurg.io.recipe_file import check_output_stays_below, load_recipe
     from attnsurg.run import check_permissions
 
     recipe = load_recipe(recipe_path)
     if output is not None:
         recipe = recipe.model_copy(update={"output": output})
+    else:
+        check_output_stays_below(recipe, str(recipe_path))
     check_permissions(recipe, trust_remote_code, allow_pickle)
     execute(recipe, dry_run, overwrite, print_recipe=False, json_output=json_output, device=device)
 
@@ -58,14 +60,15 @@ def recipe_validate(
     """Check recipes without running them: the schema (unknown keys, types, value ranges, methods), and, when
     the model is on this machine, everything --dry-run checks against it (budgets, windows, texts); every file
     is checked, and the exit code is 2 when any fails."""
-    from attnsurg.io.recipe_file import load_recipe, resolve_recipe
+    from attnsurg.io.recipe_file import check_output_stays_below, load_recipe, resolve_recipe
     from attnsurg.run import run_recipe
 
     failed = []
     for path in paths:
         try:
             recipe = load_recipe(path)
-            if model_on_this_machine(recipe.model.ref):
+            check_output_stays_below(recipe, str(resolve_recipe(path)))
+            if recipe.surgery is not None and model_on_this_machine(recipe.model.ref):  # heal-only: its teacher too
                 run_recipe(recipe, dry_run=True)
         except UserError as exc:
             print_error(f"{resolve_recipe(path)}: {exc}" if str(path) not in str(exc) else str(exc))

@@ -240,10 +240,11 @@ def ensure_demo_model(name: str = DEMO_MODEL) -> Path:
     asset = ASSETS[name]
     target = asset_path(asset)
     if is_cached(asset):
-        try:  # caches built before checkpoints followed the umask are private to their writer
-            share_as_umask_allows(target)
-        except PermissionError:  # another account's cache: theirs to set
-            pass
+        if target.stat().st_mode & 0o777 == 0o700:  # built before checkpoints followed the umask: private
+            try:
+                share_as_umask_allows(target)
+            except OSError:  # another account's cache, or a read-only one: left as it is
+                pass
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-gguf-") as tmp:

@@ -7,6 +7,8 @@ pydantic models in :mod:`attnsurg.recipe`. An error names the file, the line and
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import yaml
@@ -89,11 +91,16 @@ def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
         if first["type"] == "missing":
             message = "required key is missing"
         raise UserError(f"{where}: {field + ': ' if field else ''}{message}") from None
-    if ".." in recipe.output.parts and not recipe.output.is_absolute():  # a shared recipe must not write outside the folder it is run from
-        line = line_of(root, ("output",))
-        raise UserError(f"{name}{f':{line}' if line else ''}: output: '{recipe.output}' climbs out with '..'; "
-                        "give a path below the working folder or an absolute one")
     return recipe
+
+
+def check_output_stays_below(recipe: Recipe, name: str) -> None:
+    """A recipe file run as given must not write above the folder it runs from (a shared recipe with
+    ``output: ../../x``); an absolute path, or ``-o``, is the user's own choice."""
+    output = recipe.output
+    if not output.is_absolute() and os.path.normpath(output).split(os.sep)[0] == "..":
+        raise UserError(f"{name}: output '{output}' climbs out of the working folder with '..'; pass -o to choose where "
+                        "to write")
 
 
 def load_recipe(path: Path) -> Recipe:

@@ -311,7 +311,6 @@ def warn_unconverged(unconverged: list[tuple[str, float]], total: int, what: str
                 f"kept their last factors (largest relative error {error:.4f}, {label})")
 
 
-@torch.no_grad()
 def whitened_unit(source: PreTrainedModel, family: Family, contexts: list[LayerContext],
                   stats: list[tuple[InputStatistics, InputStatistics]], unit: HeadUnit, weighted: bool):
     """A unit's module path, its linear layer, input statistics, consumer blocks and whitened tensor."""
@@ -331,6 +330,7 @@ def unit_ranks(plan: HeadTensorPlan, index: int, w: Whitened) -> tuple[int, ...]
     return plan.ranks[index]
 
 
+@torch.no_grad()
 def compress_head_tensor(
     source: PreTrainedModel,
     family: Family,

@@ -31,7 +31,8 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
    In the exact format, query biases (Qwen2) have no place in DeepseekV3's plain q_proj, so such models route
    q through q_a -> q_a_layernorm -> q_b: q_a is the identity plus one constant channel (the same norm trick),
    which the norm turns into exactly 1, and q_b's column for it is the bias.
-6. Refinement (optional, from the closed form): layer by layer, Adam on q_proj, kv_a and kv_b minimizes the
+6. Refinement (optional, from the closed form; in the native format from whichever of its constant-channel
+   dominances, CHANNEL_DOMINANCES, scores lowest on the converted model's own stream): layer by layer, Adam on q_proj, kv_a and kv_b minimizes the
    relative squared error between the converted layer's residual-stream update and what brings the converted
    model's stream back to the original's (layer-wise reconstruction as in BRECQ, Li et al. 2021, carried
    sequentially as in GPTQ). Each token's error is measured relative to the norm of the original stream at
@@ -519,7 +520,8 @@ def native_weights(q_proj: torch.Tensor, A: torch.Tensor, K_rope: torch.Tensor, 
 def with_dominance(w: MLAWeights, dominance: float) -> MLAWeights:
     """A native closed form with its constant channel (latent row r) at ``dominance`` instead of
     CHANNEL_DOMINANCE: the channel and the norm's weight on the other rows scale together, so a token with
-    a . x = 1 gets the same output; one with a . x near 0 is multiplied by at most about ``dominance``."""
+    a . x = 1 gets about the same output (exactly in the limit of a dominant channel); one with a . x near 0 is
+    multiplied by at most about ``dominance``."""
     r = w.kv_a_norm.shape[0] - 1
     factor = dominance / CHANNEL_DOMINANCE
     kv_a, norm = w.kv_a_weight.clone(), w.kv_a_norm.clone()

@@ -151,3 +151,15 @@ def wiki_text() -> Path:
         return ensure_text("wiki-sample")
     except UserError as exc:
         pytest.skip(f"wiki-sample unavailable: {exc}")
+
+
+def assert_streamed_like_loaded(loaded: Path, streamed: Path) -> None:
+    """A streamed checkpoint has the loaded one's files and the same card, parameter rows and loading snippet
+    included, plus its note that it was written one layer at a time."""
+    assert {p.name for p in loaded.iterdir()} == {p.name for p in streamed.iterdir()}
+    cards = {path: (path / "README.md").read_text() for path in (loaded, streamed)}
+    assert "written one decoder layer at a time" in cards[streamed]
+    for fragment in ("| attention parameters |", "| parameters in all |", "trust_remote_code=True"):
+        assert (fragment in cards[loaded]) == (fragment in cards[streamed]), fragment
+    rows = [[line for line in card.splitlines() if "parameters" in line and line.startswith("|")] for card in cards.values()]
+    assert rows[0] == rows[1] and rows[0]

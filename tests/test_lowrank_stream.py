@@ -12,6 +12,8 @@ from attnsurg.io.load import load_model, resolve_source
 from attnsurg.methods.lowrank import compress, plan_lowrank
 from attnsurg.methods.lowrank_stream import compress_streamed
 
+from conftest import assert_streamed_like_loaded
+
 
 @pytest.mark.parametrize("variant, targets, kv_latent, method", [("llama-gqa", "k,v", True, "svdllm"),
                                                                 ("qwen2", "q,k,v,o", False, "asvd"),
@@ -69,13 +71,7 @@ def test_compress_stream_writes_the_checkpoint_compress_writes(tiny_checkpoints,
     ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)
-    assert {p.name for p in (tmp_path / "loaded").iterdir()} == {p.name for p in (tmp_path / "streamed").iterdir()}
-    cards = {name: (tmp_path / name / "README.md").read_text() for name in ("loaded", "streamed")}
-    assert "written one decoder layer at a time" in cards["streamed"]
-    for fragment in ("| attention parameters |", "| parameters in all |", "trust_remote_code=True"):  # the same card
-        assert (fragment in cards["loaded"]) == (fragment in cards["streamed"]), fragment
-    rows = [[line for line in card.splitlines() if "parameters" in line and line.startswith("|")] for card in cards.values()]
-    assert rows[0] == rows[1] and rows[0]
+    assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
     loki = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "loki", "--rank", "8", "--top-k", "0.25"]
     for args, fragment in ((common + ["--allocate"], "--allocate"), (loki, "--stream does not apply")):
         refused = runner.invoke(app, args + ["--stream", "-o", str(tmp_path / "never")])

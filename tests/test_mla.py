@@ -472,17 +472,23 @@ def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_
         torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_held_out_error_is_relative_to_the_held_out_windows_own_target():
-    """A held-out window scores as it would if it were the training windows: a drifted training window with a
-    huge target must not make the held-out error look small (it chose when refinement stopped)."""
+def first_layer_closed_form(windows: int):
+    """A tiny Llama's first layer on ``windows`` windows, fitted at 50% KV (native): weights, config, inputs,
+    the layer and its output."""
     from attnsurg.calibrate import second_moment
 
     model = build_tiny("llama", 384, num_key_value_heads=2)
     plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
-    x, attn, target = first_layer_on_windows(model, 6)
+    x, attn, target = first_layer_on_windows(model, windows)
     config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
     config._attn_implementation = "sdpa"
-    start = fit_layer(attn, second_moment(x), plan)
+    return fit_layer(attn, second_moment(x), plan), config, x, attn, target
+
+
+def test_held_out_error_is_relative_to_the_held_out_windows_own_target():
+    """A held-out window scores as it would if it were the training windows: a drifted training window with a
+    huge target must not make the held-out error look small (it chose when refinement stopped)."""
+    start, config, x, attn, target = first_layer_closed_form(6)
     inflated = target.clone()
     inflated[0] *= 100  # one training window far off
     _, errors, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, inflated, Refinement(0), held_out=2)
@@ -523,17 +529,11 @@ def test_native_dominance_keeps_typical_tokens_and_bounds_a_token_whose_channel_
 
 
 def test_refinement_starts_from_the_closed_form_alternative_with_the_lowest_error():
-    from attnsurg.calibrate import second_moment
-
-    model = build_tiny("llama", 384, num_key_value_heads=2)
-    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
-    x, attn, target = first_layer_on_windows(model, 4)
-    config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
-    config._attn_implementation = "sdpa"
-    good = fit_layer(attn, second_moment(x), plan)
+    good, config, x, attn, target = first_layer_closed_form(4)
     bad = replace(good, kv_b_proj=good.kv_b_proj * 3)
     kept, errors, _ = refine_layer(bad, config, 0, attn.o_proj.weight, x, target, Refinement(0), alternatives=[good])
     _, alone, _ = refine_layer(good, config, 0, attn.o_proj.weight, x, target, Refinement(0))
     assert kept is good and errors.before == pytest.approx(alone.before)
-    assert mla.closed_form_alternatives(good, plan) and not mla.closed_form_alternatives(good, plan_mla(
-        inspect_config(model.config), kv_budget=0.5, format="exact"))
+    anatomy = inspect_config(build_tiny("llama", 384, num_key_value_heads=2).config)
+    assert mla.closed_form_alternatives(good, plan_mla(anatomy, kv_budget=0.5))
+    assert not mla.closed_form_alternatives(good, plan_mla(anatomy, kv_budget=0.5, format="exact"))

@@ -10,7 +10,7 @@ from attnsurg.io.lazy import CheckpointReader
 from attnsurg.methods.mla import Refinement, convert, plan_mla
 from attnsurg.methods.mla_stream import convert_streamed
 
-from conftest import with_mean_direction
+from conftest import assert_streamed_like_loaded, with_mean_direction
 
 
 @pytest.mark.parametrize("variant,refine_steps", [("llama-gqa", 0), ("qwen2", 5), ("llama-mha", 5)])
@@ -64,12 +64,6 @@ def test_convert_stream_writes_the_checkpoint_convert_writes(tiny_checkpoints, c
     ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-3, atol=1e-3)
-    assert {p.name for p in (tmp_path / "loaded").iterdir()} == {p.name for p in (tmp_path / "streamed").iterdir()}
-    cards = {name: (tmp_path / name / "README.md").read_text() for name in ("loaded", "streamed")}
-    assert "written one decoder layer at a time" in cards["streamed"]
-    for fragment in ("| attention parameters |", "| parameters in all |", "trust_remote_code=True"):  # the same card
-        assert (fragment in cards["loaded"]) == (fragment in cards["streamed"]), fragment
-    rows = [[line for line in card.splitlines() if "parameters" in line and line.startswith("|")] for card in cards.values()]
-    assert rows[0] == rows[1] and rows[0]
+    assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
     refused = runner.invoke(app, common + ["--stream", "--short-prompts", "0.25", "-o", str(tmp_path / "never")])
     assert refused.exit_code == 2 and "--short-prompts" in refused.output and not (tmp_path / "never").exists()

@@ -101,6 +101,7 @@ class PlannedMethod:
 
 # ------------------------------------------------------------------------------------------ proxies
 def lowrank_proxy(method: str, allocate: bool = False) -> Callable[[PlanContext, tuple[float, ...]], list[list[float]]]:
+    @torch.no_grad()
     def proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
         contexts = layer_contexts(ctx.model, ctx.family, ctx.stats, ctx.windows.shape[1])
         units = plan_units(ctx.anatomy, ("k", "v"), kv_latent=True)
@@ -161,6 +162,7 @@ def mla_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]
 
 
 def headtensor_proxy(method: str) -> Callable[[PlanContext, tuple[float, ...]], list[list[float]]]:
+    @torch.no_grad()
     def proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
         targets = HeadTensorSettings().targets
         contexts = layer_contexts(ctx.model, ctx.family, ctx.stats, ctx.windows.shape[1])

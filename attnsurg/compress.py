@@ -117,7 +117,7 @@ def plan_request(request: Request):
 def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None = None) -> CompressReport:
     """Compress (and heal, when ``recipe`` has a heal step); with ``dry_run`` only plan."""
     source, anatomy, plan = plan_request(request)
-    check_calibration(request.calibration, anatomy)
+    check_calibration(request.calibration, anatomy, read_text=dry_run)  # a run reads it before the weights load
     report = CompressReport(plan, anatomy)
     if dry_run:
         return report

@@ -119,7 +119,7 @@ def refinement_note(refinement: Refinement, calibration_tokens: int) -> str:
 def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | None = None) -> ConvertReport:
     """Convert (and heal, when ``recipe`` has a heal step); with ``dry_run`` only plan."""
     source, anatomy, plan = plan_request(request)
-    check_calibration(request.calibration, anatomy)
+    check_calibration(request.calibration, anatomy, read_text=dry_run)  # a run reads it before the weights load
     report = ConvertReport(plan, anatomy)
     if dry_run:
         return report

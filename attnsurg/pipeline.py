@@ -58,15 +58,15 @@ def window_length(calibration: Calibration, anatomy: AttentionAnatomy) -> int:
     return min(calibration.seq_len, anatomy.max_positions or calibration.seq_len)
 
 
-def check_calibration(calibration: Calibration, anatomy: AttentionAnatomy) -> None:
-    """What can be checked about the calibration request before any weights load (``--dry-run`` included):
-    one window fits in the tokens read, and a text file is text."""
+def check_calibration(calibration: Calibration, anatomy: AttentionAnatomy, read_text: bool = True) -> None:
+    """What can be checked about the calibration request before any weights load: one window fits in the
+    tokens read, and (``read_text``: a dry run, which cuts no windows) a text file is text."""
     seq_len = window_length(calibration, anatomy)
     if seq_len > calibration.tokens:
         capped = f" (capped at the model's context, {seq_len})" if seq_len < calibration.seq_len else ""
         raise UserError(f"calibration seq_len (--calib-seq-len) {calibration.seq_len}{capped} is longer than its tokens "
                         f"(--calib-tokens) {calibration.tokens}, which windows are cut from; lower it or read more tokens")
-    if calibration.data.text is not None:
+    if read_text and calibration.data.text is not None:
         read_text_file(Path(calibration.data.text))
 
 

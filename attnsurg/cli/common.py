@@ -41,7 +41,7 @@ def hide_flag_types() -> None:
     shown = TyperOption.display_type_rich
 
     def display_type_rich(self, ctx):
-        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+        return None if self.is_flag else shown(self, ctx)
 
     TyperOption.display_type_rich = display_type_rich
 
@@ -131,9 +131,9 @@ def version_callback(value: bool) -> None:
 @app.callback()
 def root(
     version: Annotated[
-        bool, typer.Option("--version", metavar="", callback=version_callback, is_eager=True, help="Print the version and exit.")
+        bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version and exit.")
     ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="No progress bars or status messages.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or status messages.")] = False,
 ) -> None:
     ui.set_quiet(quiet)
     quiet_libraries()
@@ -154,10 +154,10 @@ def quiet_libraries() -> None:
 
 
 TrustRemoteCode = Annotated[
-    bool, typer.Option("--trust-remote-code", metavar="", help="Allow running modeling code shipped with the checkpoint.")
+    bool, typer.Option("--trust-remote-code", help="Allow running modeling code shipped with the checkpoint.")
 ]
-AllowPickle = Annotated[bool, typer.Option("--allow-pickle", metavar="", help="Allow loading pickle (.bin) weights.")]
-JsonFlag = Annotated[bool, typer.Option("--json", metavar="", help="Print a machine-readable JSON record instead of a table.")]
+AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON record instead of a table.")]
 # Options every surgery command (convert, compress) shares.
 CalibDataset = Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset, a comma list of them, or all (the six "
                                                                    "domains, windows in turn); their calibration parts are used.")]
@@ -175,13 +175,13 @@ EvalDomains = Annotated[
 DEFAULT_EVAL_DOMAINS = ",".join(EVAL_DOMAINS)
 EvalDType = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")]
 EvalDevice = Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")]
-DryRun = Annotated[bool, typer.Option("--dry-run", metavar="", help="Print the plan and write nothing.")]
-Overwrite = Annotated[bool, typer.Option("--overwrite", metavar="", help="Replace an existing output directory.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
 Seed = Annotated[int, typer.Option("--seed", help="Random seed (calibration sampling, refinement, healing).")]
 Device = Annotated[str, typer.Option("--device", help="Where calibration, refinement, healing and scoring run: auto (a CUDA "
                                      "GPU when there is one), cpu, cuda or cuda:N. Fitting runs in float64 on the CPU.")]
 PrintRecipe = Annotated[
-    bool, typer.Option("--print-recipe", metavar="", help="Print the YAML recipe this command corresponds to (with --dry-run: and stop).")
+    bool, typer.Option("--print-recipe", help="Print the YAML recipe this command corresponds to (with --dry-run: and stop).")
 ]
 
 

@@ -65,21 +65,21 @@ def compress(
         typer.Option("--variance", help="Loki: per-layer ranks keeping this share of the key variance (instead of --rank)."),
     ] = None,
     kv_latent: Annotated[
-        bool, typer.Option("--kv-latent", metavar="", help="k and v share one cached latent per layer (a real KV-cache saving; --targets k,v).")
+        bool, typer.Option("--kv-latent", help="k and v share one cached latent per layer (a real KV-cache saving; --targets k,v).")
     ] = False,
     allocate: Annotated[
-        bool, typer.Option("--allocate", metavar="", help="Spread the budget over layers and projections by truncation energy, not uniformly.")
+        bool, typer.Option("--allocate", help="Spread the budget over layers and projections by truncation energy, not uniformly.")
     ] = False,
     weighted: Annotated[
         Optional[bool],
-        typer.Option("--weighted/--unweighted", metavar="", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm, tucker, cp."),
+        typer.Option("--weighted/--unweighted", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm, tucker, cp."),
     ] = None,
     stacked: Annotated[
-        bool, typer.Option("--stacked", metavar="", help="Tucker: q, k, v, o of a layer in one decomposition, factors shared "
+        bool, typer.Option("--stacked", help="Tucker: q, k, v, o of a layer in one decomposition, factors shared "
                            "across heads and projections (TensorLLM); --ranks head_dim,hidden.")
     ] = False,
     stream: Annotated[
-        bool, typer.Option("--stream", metavar="", help="svd, asvd, svdllm: one source layer in memory at a time, written "
+        bool, typer.Option("--stream", help="svd, asvd, svdllm: one source layer in memory at a time, written "
                            "straight to the output (models larger than memory; needs a local safetensors directory; "
                            "uniform ranks; nothing scored).")
     ] = False,

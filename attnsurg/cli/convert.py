@@ -69,7 +69,7 @@ def convert(
     calib_tokens: CalibTokens = 4096,
     calib_seq_len: CalibSeqLen = 512,
     weighted: Annotated[
-        bool, typer.Option("--weighted/--unweighted", metavar="", help="Fit the latent by PCA weighted by what consumes "
+        bool, typer.Option("--weighted/--unweighted", help="Fit the latent by PCA weighted by what consumes "
                            "it (queries for keys, W_o for values), or plain PCA.")
     ] = True,
     refine_steps: Annotated[
@@ -88,7 +88,7 @@ def convert(
                             "answers on the demo model.")
     ] = 0.0,
     stream: Annotated[
-        bool, typer.Option("--stream", metavar="", help="One source layer in memory at a time, written straight to the "
+        bool, typer.Option("--stream", help="One source layer in memory at a time, written straight to the "
                            "output (models larger than memory; needs a local safetensors directory; nothing scored).")
     ] = False,
     eval_tokens: EvalTokens = 2048,

@@ -22,7 +22,7 @@ def export(
     tokenizer_pre: Annotated[
         Optional[str], typer.Option("--tokenizer-pre", help="llama.cpp's pre-tokenizer name, when it is not recognised.")
     ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", metavar="", help="Replace an existing output file.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output file.")] = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Write a checkpoint as GGUF for llama.cpp (MLA conversions as DeepSeek2, latent attention kept)."""

@@ -54,7 +54,7 @@ def heal(
     save_every: Annotated[int, typer.Option("--save-every", help="Save resumable state every N steps.")] = 25,
     mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="auto (bf16 on a GPU), no, bf16, fp16.")] = "auto",
     gradient_checkpointing: Annotated[
-        bool, typer.Option("--gradient-checkpointing", metavar="", help="Recompute each layer's activations in the "
+        bool, typer.Option("--gradient-checkpointing", help="Recompute each layer's activations in the "
                            "backward pass instead of keeping them: less memory for about a third more time.")
     ] = False,
     eval_tokens: Annotated[

@@ -24,7 +24,7 @@ from attnsurg.errors import UserError
 @user_errors
 def info(
     model: Annotated[str | None, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")] = None,
-    methods: Annotated[bool, typer.Option("--methods", metavar="", help="Print the support matrix: each family "
+    methods: Annotated[bool, typer.Option("--methods", help="Print the support matrix: each family "
                                           "users bring against every method (no MODEL needed).")] = False,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,

@@ -67,11 +67,15 @@ def recipe_validate(
     for path in paths:
         try:
             recipe = load_recipe(path)
-            check_output_stays_below(recipe, str(resolve_recipe(path)))
+            name = str(resolve_recipe(path))
+            check_output_stays_below(recipe, name)
             if recipe.surgery is not None and model_on_this_machine(recipe.model.ref):  # heal-only: its teacher too
-                run_recipe(recipe, dry_run=True)
+                try:
+                    run_recipe(recipe, dry_run=True)
+                except UserError as exc:  # the dry run's checks do not know the file
+                    raise UserError(f"{name}: {exc}") from None
         except UserError as exc:
-            print_error(f"{resolve_recipe(path)}: {exc}" if str(path) not in str(exc) else str(exc))
+            print_error(str(exc))
             failed.append(path)
             continue
         kinds = " -> ".join(recipe_step_label(step) for step in recipe.steps)

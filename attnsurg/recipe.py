@@ -239,7 +239,7 @@ class Calibration(Strict):
 
 class PlanRequest(Strict):
     """``attnsurg analyze plan``: per method, the smallest budget predicted to keep the perplexity ratio within
-    ``target_ratio`` on the calibration text's eval part."""
+    ``target_ratio`` on the calibration text's eval part and on every one of ``eval_domains``."""
 
     model: ModelRef
     output: Path
@@ -247,6 +247,7 @@ class PlanRequest(Strict):
     methods: list[str] = Field(default_factory=lambda: ["svdllm", "loki", "mla"], min_length=1)
     calibration: Calibration = Calibration()
     eval_tokens: int = Field(2048, gt=0)
+    eval_domains: EvalDomainList = Field(default_factory=lambda: list(EVAL_DOMAINS))
     verify: bool = False
     seed: int = 0
     device: str = "auto"

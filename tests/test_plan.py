@@ -43,7 +43,7 @@ def context(tmp_path_factory):
     stats = input_statistics(model, attentions + [a.o_proj for a in attentions], windows)
     request = PlanRequest(model={"ref": "tiny"}, output=tmp_path_factory.mktemp("plan") / "out")
     return PlanContext(request, model, None, inspect_config(model.config), family, torch.device("cpu"), windows,
-                       list(zip(stats[:2], stats[2:])), (), 1.0)
+                       list(zip(stats[:2], stats[2:])), [])
 
 
 @pytest.mark.parametrize("method", ["svdllm", "svdllm-allocate", "loki", "mla", "tucker", "cp"])
@@ -60,11 +60,25 @@ def test_each_proxy_falls_as_the_budget_grows_and_vanishes_at_full_budget(contex
     assert totals[-1] < (1e-2 if method == "mla" else 1e-9), totals
 
 
+def test_loki_variance_at_full_variance_selects_the_true_top_keys(context):
+    """At variance 1 the scores use every principal coordinate, so they pick the truly strongest keys: the
+    proxy is the mass outside the exact top quarter (as the fixed-rank loki proxy measures it at 1/4), and
+    fewer coordinates lose more."""
+    from attnsurg.analyze.plan import LOKI_VARIANCE_TOP_K
+
+    by_variance = [sum(row) for row in PLANNED["loki-variance"].proxy(context, (0.3, 0.6, 1.0))]
+    exact = sum(PLANNED["loki"].proxy(context, (LOKI_VARIANCE_TOP_K,))[0])
+    assert by_variance[-1] == pytest.approx(exact, rel=0.05), (by_variance, exact)
+    assert by_variance[0] > by_variance[-1] * 1.05, by_variance
+    settings = PLANNED["loki-variance"].settings(0.9, context.anatomy)
+    assert settings.variance == 0.9 and settings.rank is None and settings.top_k == LOKI_VARIANCE_TOP_K
+
+
 def test_plan_writes_a_report_with_its_schema_a_plot_and_runnable_recipes(tiny_checkpoints, corpus_file, tmp_path):
     out = tmp_path / "plan"
     args = ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,loki,tucker", "--calib-text", str(corpus_file),
             "--calib-tokens", "512", "--calib-seq-len", "64", "--eval-tokens", "256", "--target-ratio", "1.5",
-            "--verify", "-o", str(out), "--json"]
+            "--eval-domains", "none", "--verify", "-o", str(out), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads((out / "plan.json").read_text())
@@ -91,3 +105,19 @@ def test_allocated_ranks_lose_no_more_energy_than_uniform_ones_at_the_same_cache
     allocated = [sum(row) for row in PLANNED["svdllm-allocate"].proxy(context, budgets)]
     assert all(a <= u + 1e-9 for a, u in zip(allocated, uniform)), (allocated, uniform)
     assert PLANNED["svdllm-allocate"].settings(0.5, context.anatomy).allocate
+
+
+def test_the_target_holds_for_the_worst_of_the_scored_texts(tiny_checkpoints, corpus_file, tmp_path):
+    out = tmp_path / "plan"
+    args = ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm", "--calib-text", str(corpus_file),
+            "--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "128", "--target-ratio", "1.5",
+            "--eval-domains", "c4-sample,code-sample", "--verify", "-o", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "plan.json").read_text())
+    assert list(report["ppl_source"]) == [corpus_file.name, "c4-sample", "code-sample"]
+    (method,) = report["methods"]
+    for anchor in method["anchors"]:
+        assert set(anchor["ratios"]) == set(report["ppl_source"]) and anchor["ratio"] == max(anchor["ratios"].values())
+    assert method["measured_ratio"] == max(method["measured_ratios"].values())
+    assert "worst of" in result.output and "at worst over 128 tokens" in (out / "svdllm.yaml").read_text()

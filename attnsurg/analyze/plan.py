@@ -8,6 +8,9 @@ Per method, a per-layer error proxy is measured on the model at every candidate 
   ``svdllm-allocate`` (and svd-, asvd-) the same at the per-layer ranks ``--allocate`` spreads the budget to;
 - loki (half the head dim scores keys; the budget is the share of each query's context kept): each layer's
   attention mass outside each query's top-k keys, mean over heads;
+- loki-variance (per-layer scoring ranks, ``--variance``; the budget is the share of the key variance the
+  scores keep, with each query keeping a quarter of its context): each layer's attention mass outside the keys
+  its rank-r scores select;
 - mla (the KV budget): each layer's closed-form relative output error on calibration windows (the
   conversion before refinement);
 - tucker, cp (q, k, v and o per head as 3-way tensors; the budget is the share of attention parameters
@@ -16,9 +19,11 @@ Per method, a per-layer error proxy is measured on the model at every candidate 
 
 A budget's proxy is the sum over layers. The error model maps it to a perplexity ratio,
 ``log(ratio) = a * proxy^p``, with ``a`` and ``p`` fitted to two real conversions of the model (the anchors,
-made the way the method's command makes them and scored on the same windows as the source). The plan is the
-smallest candidate budget whose predicted ratio stays within the target; with ``verify`` it is converted too
-and the measured ratio stands beside the prediction.
+made the way the method's command makes them and scored on the same windows as the source). A ratio is the
+worst over the scored texts: the calibration text's eval part and the ``eval_domains`` (by default wiki, c4
+and code), so the plan holds off the calibration domain too. The plan is the smallest candidate budget whose
+predicted ratio stays within the target; with ``verify`` it is converted too and the measured ratios stand
+beside the prediction.
 """
 
 from __future__ import annotations
@@ -42,12 +47,13 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.calibrate import attention_layers, captured_inputs, causal_mask, input_statistics
 from attnsurg.errors import UserError
-from attnsurg.eval.perplexity import perplexity_of, scoring_windows
+from attnsurg.eval.perplexity import eval_windows, perplexity_of, scoring_windows
 from attnsurg.info import inspect_model
 from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods import headtensor
+from attnsurg.methods.loki import key_bases, rank_for_variance
 from attnsurg.methods.lowrank import allocated_ranks, decompose, layer_contexts, plan_units, uniform_ranks
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
 from attnsurg.pipeline import Surgery, check_calibration, load_source, source_windows
@@ -63,9 +69,20 @@ from attnsurg.recipe import (
     PlanRequest,
     Recipe,
     SurgeryRequest,
+    TextData,
 )
 
 PROXY_WINDOWS = 2  # calibration windows the attention-based proxies (loki, mla) are measured on
+LOKI_VARIANCE_TOP_K = 0.25  # loki-variance: the share of each query's context kept (Loki's main setting)
+
+
+@dataclass(frozen=True)
+class ScoredText:
+    """A text every ratio is measured on: its eval windows and the source's perplexity there."""
+
+    name: str
+    windows: tuple  # (tokens, windows)
+    ppl_source: float
 
 
 @dataclass
@@ -80,8 +97,7 @@ class PlanContext:
     device: torch.device
     windows: torch.Tensor
     stats: list  # per layer: (attention input, o_proj input) statistics
-    scored: tuple  # scoring windows (tokens, windows) of the calibration text's eval part
-    ppl_source: float
+    scored: list[ScoredText]  # the calibration text's eval part first, then the other domains
 
     def attentions(self) -> list[torch.nn.Module]:
         return attention_layers(self.model, self.family)
@@ -131,6 +147,33 @@ def loki_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]
             probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale)
             outside[layer] += 1 - top_mass(probabilities, budgets).double().mean(0)
     return [[float(o[i]) / len(inputs[0]) for o in outside] for i in range(len(budgets))]
+
+
+@torch.no_grad()
+def loki_variance_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
+    attentions = ctx.attentions()
+    rotary = ctx.model.get_submodule(ctx.family.rotary_path)
+    groups = ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads
+    length = ctx.windows.shape[1]
+    inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
+    errors = [[0.0] * len(attentions) for _ in budgets]
+    for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
+        bases, energies = key_bases(attention, ctx.stats[layer][0], ctx.anatomy.num_kv_heads, rotary.inv_freq, length,
+                                    "post-rope")
+        ranks = [rank_for_variance(energies, variance) for variance in budgets]
+        basis = bases.float().repeat_interleave(groups, dim=0)  # [heads, d, d]
+        for window in hidden:
+            rope = rotary(window[None], torch.arange(window.shape[0])[None])
+            _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
+            key = key.repeat_interleave(groups, dim=0)
+            scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
+            probabilities = attention_probabilities(query, key, scale)
+            query, key = query @ basis, key @ basis  # principal coordinates, strongest first
+            for row, rank in zip(errors, ranks, strict=True):
+                scores = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
+                kept = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=scores)
+                row[layer] += float(1 - kept.double().mean()) / len(hidden)
+    return errors
 
 
 @torch.no_grad()
@@ -194,11 +237,16 @@ def loki_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
     return LokiSettings(rank=anatomy.head_dim // 2, top_k=budget)
 
 
+def loki_variance_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
+    return LokiSettings(variance=budget, top_k=LOKI_VARIANCE_TOP_K)
+
+
 def mla_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
     return MLASettings(kv_budget=budget)
 
 
 PARAMETER_BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # tucker, cp: the share of attention parameters kept
+VARIANCE_BUDGETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99)  # loki-variance: the key variance the scores keep
 KV_BUDGETS = (0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875)
 PLANNED: dict[str, PlannedMethod] = {
     **{m: PlannedMethod(m, KV_BUDGETS, (0.25, 0.5), lowrank_settings(m), lowrank_proxy(m)) for m in ("svd", "asvd", "svdllm")},
@@ -206,6 +254,8 @@ PLANNED: dict[str, PlannedMethod] = {
                                       lowrank_proxy(m, True)) for m in ("svd", "asvd", "svdllm")},
     "loki": PlannedMethod("loki", (1 / 32, 1 / 16, 0.09375, 0.125, 0.1875, 0.25, 0.375, 0.5), (1 / 16, 0.25),
                           loki_settings, loki_proxy),
+    "loki-variance": PlannedMethod("loki-variance", VARIANCE_BUDGETS, (0.6, 0.9), loki_variance_settings,
+                                   loki_variance_proxy),
     "mla": PlannedMethod("mla", (0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75), (0.25, 0.5),
                          mla_settings, mla_proxy),
     **{m: PlannedMethod(m, PARAMETER_BUDGETS, (0.5, 0.8), headtensor_settings(m), headtensor_proxy(m)) for m in ("tucker", "cp")},
@@ -272,10 +322,16 @@ def operated(ctx: PlanContext, request: SurgeryRequest) -> PreTrainedModel:
     return compress.operate(surgery, request, plan, anatomy, compress.CompressReport(plan, anatomy))
 
 
-def measured_ratio(ctx: PlanContext, method: PlannedMethod, budget: float) -> float:
+def measured_ratios(ctx: PlanContext, method: PlannedMethod, budget: float) -> dict[str, float]:
+    """The method at ``budget``, converted in memory and scored on every text: its perplexity ratio on each."""
     request = request_at(ctx, method.settings(budget, ctx.anatomy), ctx.request.output / "unused")
     model = operated(ctx, request)
-    return perplexity_of(model, *ctx.scored, f"{method.name} at {budget:g}", ctx.device) / ctx.ppl_source
+    return {text.name: perplexity_of(model, *text.windows, f"{method.name} at {budget:g} on {text.name}", ctx.device)
+            / text.ppl_source for text in ctx.scored}
+
+
+def worst(ratios: dict[str, float]) -> float:
+    return max(ratios.values())
 
 
 def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanReport, str | None]:
@@ -286,7 +342,8 @@ def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanRepo
     anchors = []
     for budget in method.anchors:
         proxy = proxies[method.budgets.index(budget)]
-        anchors.append(Anchor(budget=budget, proxy=proxy, ratio=measured_ratio(ctx, method, budget)))
+        ratios = measured_ratios(ctx, method, budget)
+        anchors.append(Anchor(budget=budget, proxy=proxy, ratio=worst(ratios), ratios=ratios))
     model = ErrorModel.through(*[(a.proxy, a.ratio) for a in anchors])
     predicted = [model.ratio(p) for p in proxies]
     chosen = smallest_within(method.budgets, predicted, ctx.request.target_ratio)
@@ -297,7 +354,8 @@ def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanRepo
         return report, None
     report.predicted_ratio = predicted[method.budgets.index(chosen)]
     if ctx.request.verify:
-        report.measured_ratio = measured_ratio(ctx, method, chosen)
+        report.measured_ratios = measured_ratios(ctx, method, chosen)
+        report.measured_ratio = worst(report.measured_ratios)
         report.relative_difference = report.measured_ratio / report.predicted_ratio - 1
     return report, recipe_text(ctx, method, chosen, report)
 
@@ -309,8 +367,9 @@ def recipe_text(ctx: PlanContext, method: PlannedMethod, budget: float, report: 
     recipe = recipe.model_copy(update={"description": f"{method.name} at budget {budget:g}, planned for a perplexity "
                                                       f"ratio within x{ctx.request.target_ratio:g}"})
     anchors = ", ".join(f"x{a.ratio:.3f} at {a.budget:g}" for a in report.anchors)
+    texts = ", ".join(text.name for text in ctx.scored)
     header = (f"# attnsurg analyze plan --target-ratio {ctx.request.target_ratio:g}: predicted x{report.predicted_ratio:.3f} "
-              f"on {ctx.request.eval_tokens} tokens of the eval part of {ctx.request.calibration.data.dataset or 'the text'}\n"
+              f"at worst over {ctx.request.eval_tokens} tokens of the eval parts of {texts}\n"
               f"# (error model fitted to real conversions: {anchors})\n")
     return header + dump_recipe(recipe)
 
@@ -327,9 +386,21 @@ def load_context(request: PlanRequest) -> PlanContext:
     with on_device(model, device):
         stats = input_statistics(model, attentions + [a.o_proj for a in attentions], windows)
     stats = list(zip(stats[: len(attentions)], stats[len(attentions):], strict=True))
-    scored = scoring_windows(tokenizer, request.calibration.data, request.eval_tokens, anatomy.max_positions)
-    ppl = perplexity_of(model, *scored, "the source", device)
-    return PlanContext(request, model, tokenizer, anatomy, family, device, windows, stats, scored, ppl)
+    return PlanContext(request, model, tokenizer, anatomy, family, device, windows, stats,
+                       scored_texts(request, model, tokenizer, anatomy, device))
+
+
+def scored_texts(request: PlanRequest, model: PreTrainedModel, tokenizer, anatomy: AttentionAnatomy,
+                 device: torch.device) -> list[ScoredText]:
+    """The calibration text's eval part, then each eval domain it is not, with the source's perplexity on each."""
+    data = request.calibration.data.scored()
+    first = data.dataset or Path(data.text).name
+    texts = [(first, scoring_windows(tokenizer, data, request.eval_tokens, anatomy.max_positions))]
+    length = min(1024, request.eval_tokens, anatomy.max_positions or 1024)
+    texts += [(domain, eval_windows(tokenizer, TextData(dataset=domain), length, request.eval_tokens))
+              for domain in request.eval_domains if domain != first]
+    return [ScoredText(name, windows, perplexity_of(model, *windows, f"the source on {name}", device))
+            for name, windows in texts]
 
 
 def run_plan(request: PlanRequest) -> tuple[PlanReport, list[Path]]:
@@ -350,8 +421,8 @@ def run_plan(request: PlanRequest) -> tuple[PlanReport, list[Path]]:
             if text is not None:
                 recipes[f"{name}.yaml"] = text
         report = PlanReport(model=request.model.ref, text=request.calibration.data.dataset or str(request.calibration.data.text),
-                            eval_tokens=request.eval_tokens, target_ratio=request.target_ratio, ppl_source=ctx.ppl_source,
-                            methods=methods)
+                            eval_tokens=request.eval_tokens, target_ratio=request.target_ratio,
+                            ppl_source={text.name: text.ppl_source for text in ctx.scored}, methods=methods)
         for file, text in recipes.items():
             (staging / file).write_text(text, encoding="utf-8")
         plot = plan_figure(report, staging / "plan.png")

@@ -184,5 +184,6 @@ def plan_figure(report, path: Path) -> Path:
         axis.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("x%.3g"))
         axis.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=8)
-    figure.suptitle(f"{report.model}: planned budgets ({report.eval_tokens} tokens of {report.text})")
+    texts = ", ".join(report.ppl_source)
+    figure.suptitle(f"{report.model}: planned budgets (worst ratio over {report.eval_tokens} tokens of each of {texts})")
     return save(figure, path)

@@ -93,7 +93,8 @@ class Anchor(Strict):
 
     budget: float
     proxy: float = Field(description="The summed per-layer error proxy at this budget.")
-    ratio: float = Field(description="Measured perplexity ratio to the source.")
+    ratio: float = Field(description="Measured perplexity ratio to the source, the worst over the scored texts.")
+    ratios: dict[str, float] = Field(default_factory=dict, description="The measured ratio on each scored text.")
 
 
 class MethodPlanReport(Strict):
@@ -110,7 +111,9 @@ class MethodPlanReport(Strict):
     power: float
     chosen: float | None
     predicted_ratio: float | None = None
-    measured_ratio: float | None = Field(None, description="The chosen budget converted and scored (--verify).")
+    measured_ratio: float | None = Field(None, description="The chosen budget converted and scored (--verify), the "
+                                                           "worst over the scored texts.")
+    measured_ratios: dict[str, float] | None = Field(None, description="The chosen budget's ratio on each scored text.")
     relative_difference: float | None = Field(None, description="measured / predicted - 1.")
 
 
@@ -119,9 +122,10 @@ class PlanReport(Strict):
 
     model: str
     text: str
-    eval_tokens: int = Field(description="Tokens of the text's eval part every ratio is scored on.")
-    target_ratio: float
-    ppl_source: float
+    eval_tokens: int = Field(description="Tokens of each scored text's eval part every ratio is measured on.")
+    target_ratio: float = Field(description="Largest ratio allowed on the worst of the scored texts.")
+    ppl_source: dict[str, float] = Field(description="Per scored text (the calibration text's eval part first), the "
+                                                     "source's perplexity.")
     methods: list[MethodPlanReport]
     seconds: float = 0.0
 

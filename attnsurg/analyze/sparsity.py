@@ -19,12 +19,21 @@ def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scale: float
 
 
 def top_mass(probabilities: torch.Tensor, shares: tuple[float, ...] = TOP_SHARES,
-             min_context: int = MIN_CONTEXT) -> torch.Tensor:
+             min_context: int = MIN_CONTEXT, scores: torch.Tensor | None = None) -> torch.Tensor:
     """[heads, shares]: per head, the mean over queries (those seeing at least ``min_context`` keys) of the
-    attention mass in the ceil(share x context) strongest keys of each query (one sort for every share)."""
+    attention mass in the ceil(share x context) strongest keys of each query (one sort for every share).
+
+    With ``scores`` ([..., L, L], e.g. a cheaper scorer's q . k), the keys kept are the ones those scores rank
+    highest, the current token always among them (as Loki keeps it), instead of the truly strongest."""
     length = probabilities.shape[-1]
     context = torch.arange(1, length + 1, device=probabilities.device)
-    cumulative = probabilities.sort(dim=-1, descending=True).values.cumsum(-1)
+    if scores is None:
+        cumulative = probabilities.sort(dim=-1, descending=True).values.cumsum(-1)
+    else:
+        future = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+        ranking = scores.float().masked_fill(future, float("-inf"))
+        ranking.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+        cumulative = probabilities.gather(-1, ranking.argsort(dim=-1, descending=True)).cumsum(-1)
     rows = context >= min(min_context, length)
     masses = []
     for share in shares:

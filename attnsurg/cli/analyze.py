@@ -18,15 +18,18 @@ from attnsurg.cli.common import (
     CalibSeqLen,
     CalibText,
     CalibTokens,
+    DEFAULT_EVAL_DOMAINS,
     Device,
     JsonFlag,
     Overwrite,
     TrustRemoteCode,
     app,
     out,
+    eval_domains_from,
     user_errors,
 )
 from attnsurg.errors import UserError
+from attnsurg.recipe import EVAL_DOMAINS
 
 
 def parse_layers(value: str) -> list[int] | None:
@@ -210,12 +213,16 @@ def plan(
     model: ModelArgument,
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan directory (plan.json, plan.png, a recipe per method).")],
     target_ratio: Annotated[float, typer.Option("--target-ratio", help="Largest perplexity ratio to the source allowed.")] = 1.3,
-    methods: Annotated[str, typer.Option("--methods", help="Methods to plan, comma-separated: svd, asvd, svdllm (each also as NAME-allocate: per-layer ranks), loki, mla, tucker, cp.")] = "svdllm,loki,mla",
+    methods: Annotated[str, typer.Option("--methods", help="Methods to plan, comma-separated: svd, asvd, svdllm (each also as NAME-allocate: per-layer ranks), loki, loki-variance (per-layer scoring ranks), mla, tucker, cp.")] = "svdllm,loki,mla",
     dataset: CalibDataset = "wiki-sample",
     text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
     seq_len: CalibSeqLen = 512,
-    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens of the text's eval part every ratio is scored on.")] = 2048,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens of each text's eval part every ratio is scored on.")] = 2048,
+    eval_domains: Annotated[str, typer.Option(
+        "--eval-domains", help="Built-in texts scored besides the calibration text's eval part; the target holds for the "
+        "worst of them. 'all' for the six samples, 'none' for the calibration text alone.",
+        show_default=", ".join(EVAL_DOMAINS))] = DEFAULT_EVAL_DOMAINS,
     verify: Annotated[bool, typer.Option("--verify", help="Also convert each chosen budget and measure its ratio.")] = False,
     device: Device = "auto",
     overwrite: Overwrite = False,
@@ -231,7 +238,8 @@ def plan(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle), output=output,
         target_ratio=target_ratio, methods=parse_methods(methods),
         calibration=Calibration(data=text_data(dataset, text), tokens=calib_tokens, seq_len=seq_len),
-        eval_tokens=eval_tokens, verify=verify, device=device, overwrite=overwrite)
+        eval_tokens=eval_tokens, eval_domains=eval_domains_from(eval_domains), verify=verify, device=device,
+        overwrite=overwrite)
     report, files = run_plan(request)
     if json_output:
         print(json.dumps({"report": str(files[0]), "files": [str(f) for f in files], **report.model_dump()}, indent=2))
@@ -241,18 +249,28 @@ def plan(
 
 
 def plan_table(report) -> Table:
-    table = Table(title=f"{report.model}: smallest budget predicted within x{report.target_ratio:g} "
-                        f"({report.eval_tokens} tokens of {report.text})", title_justify="left")
-    for column in ("method", "anchors (budget: measured)", "error model", "budget", "predicted", "measured"):
+    texts = list(report.ppl_source)
+    scope = texts[0] if len(texts) == 1 else f"the worst of {', '.join(texts)}"
+    table = Table(title=f"{report.model}: smallest budget predicted within x{report.target_ratio:g} on {scope} "
+                        f"({report.eval_tokens} tokens each)", title_justify="left")
+    for column in ("method", "anchors (budget: worst measured)", "error model", "budget", "predicted", "measured (worst)"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for m in report.methods:
-        anchors = ", ".join(f"{a.budget:g}: x{a.ratio:.3f}" for a in m.anchors)
+        anchors = ", ".join(f"{a.budget:g}: x{a.ratio:.3f}{worst_text(a.ratios, texts)}" for a in m.anchors)
         model = f"ln r = {m.scale:.3g} e^{m.power:.2f}"
         chosen = "none" if m.chosen is None else f"{m.chosen:g}"
         predicted = "" if m.predicted_ratio is None else f"x{m.predicted_ratio:.3f}"
-        measured = "" if m.measured_ratio is None else f"x{m.measured_ratio:.3f} ({m.relative_difference:+.1%})"
+        measured = "" if m.measured_ratio is None else (f"x{m.measured_ratio:.3f}{worst_text(m.measured_ratios, texts)} "
+                                                        f"({m.relative_difference:+.1%})")
         table.add_row(m.method, anchors, model, chosen, predicted, measured)
     return table
+
+
+def worst_text(ratios: dict[str, float] | None, texts: list[str]) -> str:
+    """' c4-sample': which text a worst ratio came from, when there is more than one."""
+    if not ratios or len(texts) < 2:
+        return ""
+    return f" {max(ratios, key=ratios.get)}"
 
 
 def approx_table(report) -> Table:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy, meta_model
-from attnsurg.arch.families import REPLACEABLE_ATTENTION, Family, family_for_surgery
+from attnsurg.arch.families import LLAMA_LIKE_LAYERS, Family, family_for_surgery
 from attnsurg.arch.unfuse import UNFUSED_AS, unfused_model
 from attnsurg.calibrate import calibration_windows
 from attnsurg.data import parse_datasets, read_text_file
@@ -250,7 +250,7 @@ def start_streamed(request, source, anatomy: AttentionAnatomy, recipe: Recipe) -
     if recipe.heal is not None:
         raise UserError("healing needs the whole model in memory; run with stream: false, or heal afterwards with "
                         "`attnsurg heal`")
-    if anatomy.model_type not in REPLACEABLE_ATTENTION:
+    if anatomy.model_type not in LLAMA_LIKE_LAYERS:
         raise UserError(f"--stream runs each layer with one RoPE and a causal mask, and {anatomy.model_type} mixes "
                         "layer types; drop --stream")
     if anatomy.model_type in UNFUSED_AS:

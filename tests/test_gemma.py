@@ -1,5 +1,6 @@
 """Gemma 2 and 3: the projection methods factorize q, k, v and o inside the family's own attention (soft-capping,
-query scale, q/k norms and sliding layers kept); methods that replace the attention module refuse with the reason."""
+query scale, q/k norms and sliding layers kept); Loki's attention keeps all four itself; the other methods that
+replace the attention module refuse with the reason."""
 
 import pytest
 import torch
@@ -8,12 +9,13 @@ from typer.testing import CliRunner
 
 from attnsurg.cli import app
 from attnsurg.io.load import load_model, resolve_source
+from attnsurg.modeling.modeling_attnsurg import LokiAttention
 
 from test_lowrank import remote_code_matches_attnsurg
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=384, pad_token_id=0, eos_token_id=0, bos_token_id=0, sliding_window=24)
-CONFIGS = {"gemma2": lambda: Gemma2Config(**SMALL, query_pre_attn_scalar=20),
+CONFIGS = {"gemma2": lambda: Gemma2Config(**SMALL, query_pre_attn_scalar=20, attn_logit_softcapping=3.0),
            "gemma3": lambda: Gemma3TextConfig(**SMALL, layer_types=["sliding_attention", "full_attention"])}
 
 
@@ -40,8 +42,10 @@ def compressed(checkpoint, corpus_file, out, *args):
 
 @pytest.mark.parametrize("args", [["--method", "svdllm", "--targets", "q,o", "--rank", "64"],
                                   ["--method", "asvd", "--targets", "k,v", "--rank", "32"],
-                                  ["--method", "tucker", "--targets", "q", "--ranks", "4,16,64"]],
-                         ids=["svdllm-q,o", "asvd-k,v", "tucker-q"])
+                                  ["--method", "tucker", "--targets", "q", "--ranks", "4,16,64"],
+                                  ["--method", "svdllm", "--targets", "k,v", "--kv-latent", "--rank", "64"],
+                                  ["--method", "tucker", "--stacked", "--ranks", "16,64"]],
+                         ids=["svdllm-q,o", "asvd-k,v", "tucker-q", "kv-latent", "stacked"])
 def test_full_budget_reproduces_the_logits_beyond_the_sliding_window(gemma_checkpoint, corpus_file, tmp_path, args):
     result = compressed(gemma_checkpoint, corpus_file, tmp_path / "out", *args)
     assert result.exit_code == 0, result.output
@@ -57,16 +61,6 @@ def test_a_compressed_gemma_loads_alike_with_remote_code(gemma_checkpoint, corpu
     assert remote_code_matches_attnsurg(tmp_path / "out", tmp_path)
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--method", "svdllm", "--targets", "k,v", "--kv-latent", "--ratio", "0.5"], "--kv-latent replaces the attention module"),
-    (["--method", "tucker", "--stacked", "--ratio", "0.5"], "--stacked replaces the attention module"),
-    (["--method", "loki", "--rank", "8", "--top-k", "0.25"], "loki replaces the attention module"),
-])
-def test_methods_that_replace_the_attention_refuse_with_the_reason(gemma_checkpoint, corpus_file, tmp_path, args, fragment):
-    result = compressed(gemma_checkpoint, corpus_file, tmp_path / "never", *args)
-    assert result.exit_code == 2 and fragment in result.output and not (tmp_path / "never").exists(), result.output
-
-
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_mla_refuses_gemma_even_without_sliding_layers(family):
     """MLA writes Llama-like DeepseekV3 layers around its attention: Gemma's is not one of them, windows or not."""
@@ -76,4 +70,49 @@ def test_mla_refuses_gemma_even_without_sliding_layers(family):
     from attnsurg.methods import METHODS
 
     anatomy = replace(inspect_config(CONFIGS[family]()), sliding_window=None, sliding_layers=0)
-    assert METHODS["mla"].unsupported_reason(anatomy).startswith("MLA replaces the attention module")
+    assert METHODS["mla"].unsupported_reason(anatomy).startswith("MLA writes Llama-like DeepseekV3 decoder layers")
+
+
+def test_loki_at_full_budget_reproduces_the_logits_beyond_the_sliding_window(gemma_checkpoint, corpus_file, tmp_path):
+    """Rank = head dim and every key: Loki's own attention (query scale, soft-capping, q/k norms, windows) is the
+    family's."""
+    result = compressed(gemma_checkpoint, corpus_file, tmp_path / "out", "--method", "loki", "--rank", "16", "--top-k", "1.0")
+    assert result.exit_code == 0, result.output
+    ids = torch.randint(0, 384, (2, 56), generator=torch.Generator().manual_seed(3))  # 56 > the window of 24
+    loki = load_model(resolve_source(str(tmp_path / "out")))
+    assert any(isinstance(m, LokiAttention) and m.sliding_window == 24 for m in loki.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(loki(ids).logits, load_model(resolve_source(str(gemma_checkpoint)))(ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("args", [["--method", "loki", "--rank", "6", "--top-k", "0.25"],
+                                  ["--method", "svdllm", "--targets", "k,v", "--kv-latent", "--ratio", "0.5"],
+                                  ["--method", "tucker", "--stacked", "--ratio", "0.5"]], ids=["loki", "kv-latent", "stacked"])
+def test_replaced_attention_decodes_past_the_window_as_it_recomputes(gemma_checkpoint, corpus_file, tmp_path, args):
+    """Generate (the family's sliding cache, which keeps the last window of whatever the attention caches) gives
+    the logits that recomputing every prefix gives, well past the window."""
+    result = compressed(gemma_checkpoint, corpus_file, tmp_path / "out", *args)
+    assert result.exit_code == 0, result.output
+    model = load_model(resolve_source(str(tmp_path / "out")))
+    prompt = torch.randint(0, 384, (1, 10), generator=torch.Generator().manual_seed(4))
+    generated = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, eos_token_id=None,
+                               output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        recomputed = model(generated.sequences[:, :-1], use_cache=False).logits[:, prompt.shape[1] - 1:]
+    torch.testing.assert_close(torch.stack(generated.logits, dim=1), recomputed, rtol=1e-4, atol=1e-4)
+
+
+def test_loki_selects_only_inside_a_sliding_layers_window(gemma_checkpoint, corpus_file, tmp_path):
+    result = compressed(gemma_checkpoint, corpus_file, tmp_path / "out", "--method", "loki", "--rank", "6", "--top-k", "0.25")
+    assert result.exit_code == 0, result.output
+    attention = next(m for m in load_model(resolve_source(str(tmp_path / "out"))).modules()
+                     if isinstance(m, LokiAttention) and m.sliding_window)
+    length, window = 60, attention.sliding_window
+    query, key = torch.randn(2, 1, 4, length, 16).unbind(0)
+    selected = attention.selection(query, key, None)[0, 0]  # [T, S]
+    positions = torch.arange(length)
+    allowed = (positions[None] <= positions[:, None]) & (positions[None] > positions[:, None] - window)
+    assert not (selected & ~allowed).any() and selected[positions, positions].all()
+    expected = torch.ceil(allowed.sum(-1).double() * 0.25).long()
+    assert torch.equal(selected.sum(-1), expected)

@@ -76,6 +76,14 @@ def test_decode_with_the_cache_matches_prefill_recomputation(family):
     assert greedy_decode_matches_recomputation(model, held_out()[:1, :8], 20)
 
 
+def test_a_mistral_sliding_window_is_kept():
+    """Every layer sees its last 16 tokens: full rank and every key reproduce the logits past the window, and a
+    top quarter decodes past it as it recomputes."""
+    model = build_tiny("mistral", VOCAB, num_key_value_heads=2, sliding_window=16)
+    assert logit_error(loki_model(model, "mistral", 16, 1.0), model, held_out()) < 1e-4
+    assert greedy_decode_matches_recomputation(loki_model(model, "mistral", 4, 0.25), held_out()[:1, :8], 30)
+
+
 @pytest.mark.parametrize(
     "rank, top_k, fragment",
     [(0, 0.25, "--rank"), (17, 0.25, "--rank"), (4, 0, "--top-k"), (4, 1.5, "--top-k"), (4, None, "--top-k")],

@@ -39,8 +39,8 @@ SURGERY_FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2"),
         Family("qwen3", "Qwen3"),
         Family("phi3", "Phi-3 (fused projections split on load, as Mistral)"),
-        Family("gemma2", "Gemma 2 (projection methods only)"),
-        Family("gemma3_text", "Gemma 3 text (projection methods only)"),
+        Family("gemma2", "Gemma 2 (every method but MLA)"),
+        Family("gemma3_text", "Gemma 3 text (every method but MLA)"),
     )
 }
 
@@ -50,19 +50,19 @@ OUTPUT_FAMILIES: dict[str, Family] = {
 }
 
 
-# Families whose attention module attnsurg's own attention classes can stand in for (latent, factored or top-k
-# attention replace the module). Gemma's attention soft-caps its scores and scales its queries its own way, so
-# there only the projections are factorized and the family's module is kept.
-REPLACEABLE_ATTENTION = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Families whose decoder layers are Llama-like: one RoPE, one causal mask and plain pre-norms around attention
+# and MLP. MLA writes such layers (DeepseekV3's), and the layer-streaming path runs each layer that way. Gemma's
+# layers (their own norms, scaled embeddings, per-type RoPE and masks) are not; attnsurg's replacing attentions
+# keep Gemma's query scale, soft-capping and windows themselves.
+LLAMA_LIKE_LAYERS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
-def kept_attention_reason(anatomy, what: str) -> str | None:
-    """Why ``what`` (a method that replaces the attention module) cannot run on this family, or None."""
-    if anatomy.model_type in REPLACEABLE_ATTENTION:
+def llama_like_reason(anatomy, what: str) -> str | None:
+    """Why ``what`` (which writes or runs Llama-like decoder layers) cannot take this family, or None."""
+    if anatomy.model_type in LLAMA_LIKE_LAYERS:
         return None
-    return (f"{what} replaces the attention module, and {anatomy.model_type}'s (its own query scale, soft-capping, "
-            "q/k norms) is kept only by methods that factorize projections: svd, asvd, svdllm without --kv-latent, "
-            "tucker and cp without --stacked")
+    return (f"{what} writes Llama-like DeepseekV3 decoder layers, and {anatomy.model_type}'s are not (its own query "
+            "scale, soft-capping, norms around attention and MLP, scaled embeddings); every other method keeps them")
 
 
 def supported_names() -> str:

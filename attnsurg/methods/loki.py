@@ -8,7 +8,8 @@ position p by R_p, so the post-RoPE second moment over a window of L positions i
 position; through a q/k norm, as in Qwen3, K is the normed keys' moment linearised at their mean square,
 lowrank.attention_moments). ``--basis pre-rope`` uses the eigenvectors of K itself, as the paper's pre-rotary variant.
 The bases go into the checkpoint; the weights are unchanged, so with R = head_dim and every key kept the
-model is the original.
+model is the original. The attention keeps the family's query scale, score soft-capping (Gemma 2), q/k norms
+(Qwen3, Gemma 3) and sliding-window layers (a query's top-k is taken among the keys its window shows).
 """
 
 from __future__ import annotations
@@ -19,27 +20,19 @@ import torch
 from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import Family, kept_attention_reason
+from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
 from attnsurg.methods.factorized import assemble_factorized
-from attnsurg.methods.lowrank import attention_moments, rotation_average, unsupported_reason
+from attnsurg.methods.lowrank import attention_moments, layer_inv_freq, rotation_average, unsupported_reason
 
 NAME = "loki"
 SUMMARY = "top-k attention with keys scored by their first R principal coordinates (Loki)"
 BASES = ("post-rope", "pre-rope")
 
 
-def loki_unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
-    if reason := unsupported_reason(anatomy) or kept_attention_reason(anatomy, "loki"):
-        return reason
-    if anatomy.sliding_window:
-        return "loki needs full attention in every layer; this model uses a sliding window"
-    return None
-
-
-register(MethodSpec(NAME, SUMMARY, loki_unsupported_reason))
+register(MethodSpec(NAME, SUMMARY, unsupported_reason))
 
 
 @dataclass
@@ -88,7 +81,7 @@ def plan_loki(
     anatomy: AttentionAnatomy, rank: int | None, top_k: int | float | None, basis: str = "post-rope",
     variance: float | None = None,
 ) -> LokiPlan:
-    reason = loki_unsupported_reason(anatomy)
+    reason = unsupported_reason(anatomy)
     if reason:
         raise UserError(f"cannot apply loki to this model: {reason}")
     d = anatomy.head_dim
@@ -133,12 +126,13 @@ def rank_for_variance(energies: torch.Tensor, variance: float) -> int:
 @torch.no_grad()
 def apply_loki(source: PreTrainedModel, family: Family, stats: list[InputStatistics], plan: LokiPlan, seq_len: int) -> PreTrainedModel:
     """The attnsurg model with every layer's attention as Loki, bases from the attention-input statistics."""
-    inv_freq = source.get_submodule(family.rotary_path).inv_freq
+    rotary = source.get_submodule(family.rotary_path)
     layers = source.get_submodule(family.layers_path)
     replaced: dict[str, torch.Tensor] = {}
     ranks = []
     for index, (layer, x) in enumerate(zip(layers, stats)):
         attn = getattr(layer, family.attention_attr)
+        inv_freq = layer_inv_freq(rotary, source.config, index)
         bases, energies = key_bases(attn, x, plan.kv_heads, inv_freq, seq_len, plan.basis)
         replaced[f"{family.layers_path}.{index}.{family.attention_attr}.loki_basis"] = bases
         ranks.append(rank_for_variance(energies, plan.variance) if plan.variance is not None else plan.rank)

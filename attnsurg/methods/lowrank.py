@@ -32,7 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features, kept_attention_reason
+from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
@@ -158,13 +158,6 @@ def plan_units(anatomy: AttentionAnatomy, targets: tuple[str, ...], kv_latent: b
 def check_latent_support(anatomy: AttentionAnatomy, targets: tuple[str, ...]) -> None:
     if set(targets) != {"k", "v"}:
         raise UserError("--kv-latent compresses k and v together into the cached latent; use --targets k,v")
-    if reason := kept_attention_reason(anatomy, "--kv-latent"):
-        raise UserError(reason)
-    if anatomy.sliding_window:
-        raise UserError(
-            f"--kv-latent needs full attention in every layer; this model uses a sliding window of "
-            f"{anatomy.sliding_window} in {anatomy.sliding_layers} layers (compress without --kv-latent)"
-        )
 
 
 def uniform_ranks(units: list[Unit], ratio: float | None, rank: int | None, kv_latent: bool) -> list[int | None]:

@@ -60,7 +60,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features, family_for_surgery, kept_attention_reason
+from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features, family_for_surgery, llama_like_reason
 from attnsurg.calibrate import additive_mask, input_statistics, prompt_layout
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
@@ -97,7 +97,7 @@ def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
         return f"the {anatomy.model_type} family is not supported yet ({blocking_features(anatomy)})"
     if anatomy.sliding_window:
         return "sliding-window attention cannot be expressed as MLA"
-    if reason := kept_attention_reason(anatomy, "MLA"):  # and the DeepseekV3 layers around it are Llama-like
+    if reason := llama_like_reason(anatomy, "MLA"):
         return reason
     if anatomy.rope_type not in SUPPORTED_ROPE:
         return f"RoPE type '{anatomy.rope_type}' (supported: {', '.join(SUPPORTED_ROPE)})"

@@ -36,7 +36,7 @@ from tensorly.decomposition import partial_tucker
 from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import Family, kept_attention_reason
+from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.methods.factorized import assemble_factorized
@@ -172,7 +172,7 @@ def plan_stacked_tucker(
     ranks: tuple[int, ...] | None = None,
     weighted: bool = True,
 ) -> StackedTuckerPlan:
-    reason = unsupported_reason(anatomy) or kept_attention_reason(anatomy, "--stacked")
+    reason = unsupported_reason(anatomy)
     if reason:
         raise UserError(f"cannot compress this model: {reason}")
     if tuple(sorted(targets)) != tuple(sorted(PROJECTION_ORDER)):

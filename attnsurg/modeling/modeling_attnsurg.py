@@ -25,6 +25,8 @@ A checkpoint keeps its family's architecture and records its surgery in ``config
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -44,6 +46,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as soft_capped_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 
@@ -182,8 +185,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+def layer_window(config, layer_idx: int) -> int | None:
+    """The sliding window of this layer (None: it sees the whole context), as the family's own attention reads it."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if types[layer_idx] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def soft_capped(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's score soft-capping, cap * tanh(s / cap) (monotone: it changes no top-k)."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 class AttentionBase(nn.Module):
-    """The settings every attnsurg attention shares with the family's own (head sizes, groups, scale)."""
+    """The settings every attnsurg attention shares with the family's own: head sizes, groups, the query scale
+    (Gemma's ``query_pre_attn_scalar``), score soft-capping (Gemma 2) and this layer's sliding window."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
@@ -192,7 +210,9 @@ class AttentionBase(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
+        self.scaling = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        self.softcap: float | None = getattr(config, "attn_logit_softcapping", None)
+        self.sliding_window = layer_window(config, layer_idx)
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         self.q_norm: nn.Module | None = None  # per-head RMSNorms of queries and keys before RoPE (Qwen3)
@@ -242,7 +262,10 @@ class RebuiltKVAttention(AttentionBase):
         key = apply_rope(key, cos, sin)
         query = apply_rope(query, cos[:, total - length :], sin[:, total - length :])
 
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        if self.softcap is None:
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        else:  # soft-capped scores (Gemma 2) have no fused kernel here
+            attention = soft_capped_attention_forward
         output, weights = attention(
             self,
             query,
@@ -251,6 +274,8 @@ class RebuiltKVAttention(AttentionBase):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
             **kwargs,
         )
         return self.output(output.reshape(batch, length, -1).contiguous()), weights
@@ -402,7 +427,10 @@ class LokiAttention(AttentionBase):
         rank = self.rank if rank is None else rank
         length, total = query.shape[2], key.shape[2]
         positions = torch.arange(total - length, total, device=query.device)
-        allowed = torch.arange(total, device=query.device)[None, :] <= positions[:, None]  # [T, S]
+        keys = torch.arange(total, device=query.device)[None, :]
+        allowed = keys <= positions[:, None]  # [T, S]
+        if self.sliding_window is not None:  # as the family's own sliding layers: the last ``window`` tokens
+            allowed &= keys > positions[:, None] - self.sliding_window
         allowed = allowed if mask is None else allowed & mask  # padding
         allowed = allowed.expand(query.shape[0], query.shape[1], -1, -1)
         context = allowed.sum(-1)
@@ -449,7 +477,8 @@ class LokiAttention(AttentionBase):
         total = prefix.shape[2]
         mask = key_mask(attention_mask, total)
         keep = int(self.keep_counts(torch.tensor([total]))[0])
-        if length == 1 and keep < total and self.recall is None and (mask is None or bool(mask.all())):
+        whole_window = self.sliding_window is None or total <= self.sliding_window
+        if length == 1 and keep < total and self.recall is None and whole_window and (mask is None or bool(mask.all())):
             return self.o_proj(self.decode_step(query, prefix, rest, keep)), None
         key = torch.cat([prefix, rest[..., : d - self.rank]], dim=-1)
         value = rest[..., d - self.rank :]
@@ -476,7 +505,7 @@ class LokiAttention(AttentionBase):
             if self.recall is not None:  # share of the exact top-k (same counts, causal) the rank-r scores kept
                 exact = self.selection(q, k, m, rank=self.head_dim)
                 hits, exact_total = hits + int((exact & selected).sum()), exact_total + int(exact.sum())
-            scores = (q @ k.transpose(-1, -2)) * self.scaling
+            scores = soft_capped((q @ k.transpose(-1, -2)) * self.scaling, self.softcap)
             scores = scores.masked_fill(~selected, float("-inf"))
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(q.dtype)  # padded queries
             outputs.append(weights @ v)
@@ -500,7 +529,7 @@ class LokiAttention(AttentionBase):
 
         rest_top = gathered(rest)
         k_top = torch.cat([gathered(prefix), rest_top[..., : d - r]], dim=-1)
-        scores = torch.einsum("bgqd,bgqkd->bgqk", q, k_top) * self.scaling
+        scores = soft_capped(torch.einsum("bgqd,bgqkd->bgqk", q, k_top) * self.scaling, self.softcap)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.einsum("bgqk,bgqkd->bgqd", weights, rest_top[..., d - r :]).reshape(batch, 1, -1)
 
@@ -557,10 +586,15 @@ def head_tensor_projection(old: nn.Module, spec: dict) -> HeadTensorProjection:
 
 
 def link_rotary(model: nn.Module) -> None:
-    """Give each rebuilt-KV attention the model's rotary embedding without registering it twice."""
-    for layer in model.model.layers:
+    """Give each rebuilt-KV attention the model's rotary embedding without registering it twice (Gemma 3's
+    bound to the layer's type: its sliding layers rotate with their own base)."""
+    rotary = model.model.rotary_emb
+    types = getattr(model.config, "layer_types", None)
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    for index, layer in enumerate(model.model.layers):
         if isinstance(layer.self_attn, RebuiltKVAttention):
-            object.__setattr__(layer.self_attn, "rotary", model.model.rotary_emb)
+            bound = functools.partial(rotary, layer_type=types[index]) if per_type else rotary
+            object.__setattr__(layer.self_attn, "rotary", bound)
 
 
 class SurgeryMixin:

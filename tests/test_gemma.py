@@ -116,3 +116,44 @@ def test_loki_selects_only_inside_a_sliding_layers_window(gemma_checkpoint, corp
     assert not (selected & ~allowed).any() and selected[positions, positions].all()
     expected = torch.ceil(allowed.sum(-1).double() * 0.25).long()
     assert torch.equal(selected.sum(-1), expected)
+
+
+def test_analysis_scores_each_layers_own_attention(gemma_checkpoint):
+    """What analyze and plan score (queries and keys through the q/k norms and the layer type's RoPE, the query
+    scale, soft-capping, the sliding window) is what the model attends with, in sliding and global layers."""
+    from attnsurg.analyze.run import head_projections
+    from attnsurg.analyze.sparsity import attention_probabilities, layer_masking
+    from attnsurg.arch import inspect_config
+    from attnsurg.arch.families import family_for_surgery
+
+    model = load_model(resolve_source(str(gemma_checkpoint)))
+    model.config._attn_implementation = "eager"
+    family = family_for_surgery(model.config.model_type)
+    ids = torch.randint(0, 384, (1, 40), generator=torch.Generator().manual_seed(0))  # past the window of 24
+    hidden = {}
+    for index, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(lambda m, a, kw, i=index: hidden.update({i: kw["hidden_states"]}),
+                                                  with_kwargs=True)
+    with torch.no_grad():
+        expected = model(ids, output_attentions=True).attentions
+        for index, layer in enumerate(model.model.layers):
+            attention = layer.self_attn
+            rope = family.layer_rotary(model, index)(hidden[index], torch.arange(40)[None])
+            _, _, _, query, key = head_projections(attention, inspect_config(model.config), hidden[index], rope)
+            probabilities = attention_probabilities(query, key.repeat_interleave(2, dim=0), attention.scaling,
+                                                    **layer_masking(attention))
+            torch.testing.assert_close(probabilities, expected[index][0], rtol=1e-5, atol=1e-6)
+
+
+def test_analyze_and_plan_run_on_gemma_and_mla_is_refused_before_loading(gemma_checkpoint, corpus_file, tmp_path):
+    report = CliRunner().invoke(app, ["analyze", str(gemma_checkpoint), "--text", str(corpus_file), "--tokens", "256",
+                                      "--seq-len", "64", "-o", str(tmp_path / "report")])
+    assert report.exit_code == 0, report.output
+    calibration = ["--calib-text", str(corpus_file), "--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "128",
+                   "--eval-domains", "none", "--target-ratio", "2"]
+    plan = CliRunner().invoke(app, ["analyze", "plan", str(gemma_checkpoint), "--methods", "loki-variance,svdllm",
+                                    *calibration, "-o", str(tmp_path / "plan")])
+    assert plan.exit_code == 0, plan.output
+    refused = CliRunner().invoke(app, ["analyze", "plan", str(gemma_checkpoint), "--methods", "svdllm,mla", *calibration,
+                                       "-o", str(tmp_path / "never")])
+    assert refused.exit_code == 2 and "cannot plan mla" in refused.output and not (tmp_path / "never").exists()

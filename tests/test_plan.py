@@ -24,6 +24,8 @@ def test_error_model_passes_through_both_anchors_and_grows_with_the_proxy():
     assert model.ratio(0.2) == pytest.approx(1.1) and model.ratio(0.8) == pytest.approx(1.9)
     assert model.ratio(0.0) == 1.0 and model.ratio(0.1) < model.ratio(0.5) < model.ratio(1.0)
     flat = ErrorModel.through((0.3, 1.2), (0.3, 1.2))  # one point's worth: proportional through it
+    steep = ErrorModel.through((0.01, 1.0), (0.02, 3.0))  # an anchor at x1: the power is enormous
+    assert math.isfinite(steep.ratio(5.0)) and steep.ratio(5.0) > 1e20
     assert flat.power == 1.0 and flat.ratio(0.3) == pytest.approx(1.2)
 
 

@@ -42,7 +42,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 from attnsurg import ui
 from attnsurg.analyze.report import PlanReport, MethodPlanReport, Anchor, write_json
 from attnsurg.analyze.run import head_projections
-from attnsurg.analyze.sparsity import attention_probabilities, top_mass
+from attnsurg.analyze.sparsity import attention_probabilities, layer_masking, top_mass
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.calibrate import attention_layers, captured_inputs, causal_mask, input_statistics
@@ -52,9 +52,9 @@ from attnsurg.info import inspect_model
 from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
-from attnsurg.methods import headtensor
+from attnsurg.methods import METHODS, headtensor
 from attnsurg.methods.loki import key_bases, rank_for_variance
-from attnsurg.methods.lowrank import allocated_ranks, decompose, layer_contexts, plan_units, uniform_ranks
+from attnsurg.methods.lowrank import allocated_ranks, decompose, layer_contexts, layer_inv_freq, plan_units, uniform_ranks
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
 from attnsurg.pipeline import Surgery, check_calibration, load_source, source_windows
 from attnsurg.placement import on_device
@@ -135,16 +135,17 @@ def lowrank_proxy(method: str, allocate: bool = False) -> Callable[[PlanContext,
 @torch.no_grad()
 def loki_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
     attentions = ctx.attentions()
-    rotary = ctx.model.get_submodule(ctx.family.rotary_path)
     groups = ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads
     outside = [torch.zeros(len(budgets), dtype=torch.float64) for _ in attentions]
     inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
     for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
+        rotary = ctx.family.layer_rotary(ctx.model, layer)
         for window in hidden:
             rope = rotary(window[None], torch.arange(window.shape[0])[None])
             _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
             scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
-            probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale)
+            probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale,
+                                                    **layer_masking(attention))
             outside[layer] += 1 - top_mass(probabilities, budgets).double().mean(0)
     return [[float(o[i]) / len(inputs[0]) for o in outside] for i in range(len(budgets))]
 
@@ -152,14 +153,14 @@ def loki_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]
 @torch.no_grad()
 def loki_variance_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
     attentions = ctx.attentions()
-    rotary = ctx.model.get_submodule(ctx.family.rotary_path)
     groups = ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads
     length = ctx.windows.shape[1]
     inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
     errors = [[0.0] * len(attentions) for _ in budgets]
     for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
-        bases, energies = key_bases(attention, ctx.stats[layer][0], ctx.anatomy.num_kv_heads, rotary.inv_freq, length,
-                                    "post-rope")
+        rotary = ctx.family.layer_rotary(ctx.model, layer)
+        inv_freq = layer_inv_freq(ctx.model.get_submodule(ctx.family.rotary_path), ctx.model.config, layer)
+        bases, energies = key_bases(attention, ctx.stats[layer][0], ctx.anatomy.num_kv_heads, inv_freq, length, "post-rope")
         ranks = [rank_for_variance(energies, variance) for variance in budgets]
         basis = bases.float().repeat_interleave(groups, dim=0)  # [heads, d, d]
         for window in hidden:
@@ -167,7 +168,7 @@ def loki_variance_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[li
             _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
             key = key.repeat_interleave(groups, dim=0)
             scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
-            probabilities = attention_probabilities(query, key, scale)
+            probabilities = attention_probabilities(query, key, scale, **layer_masking(attention))
             query, key = query @ basis, key @ basis  # principal coordinates, strongest first
             for row, rank in zip(errors, ranks, strict=True):
                 scores = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
@@ -271,6 +272,9 @@ def parse_methods(value: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ error model
+MAX_LOG_RATIO = 50.0  # predictions are capped at e^50 (anchors near x1 can give the fitted power any size)
+
+
 @dataclass(frozen=True)
 class ErrorModel:
     """log(ratio) = scale * proxy^power, through two anchors (proxy, measured ratio)."""
@@ -288,7 +292,12 @@ class ErrorModel:
         return cls(scale=y1 / x1 ** power, power=power)
 
     def ratio(self, proxy: float) -> float:
-        return math.exp(self.scale * max(proxy, 0.0) ** self.power)
+        """The predicted ratio, at most e^MAX_LOG_RATIO: far past any target, and finite in JSON."""
+        try:
+            exponent = self.scale * max(proxy, 0.0) ** self.power
+        except OverflowError:
+            exponent = MAX_LOG_RATIO
+        return math.exp(min(exponent, MAX_LOG_RATIO))
 
 
 def smallest_within(budgets: tuple[float, ...], predicted: list[float], target: float) -> float | None:
@@ -378,6 +387,9 @@ def recipe_text(ctx: PlanContext, method: PlannedMethod, budget: float, report: 
 def load_context(request: PlanRequest) -> PlanContext:
     source, _, anatomy = inspect_model(request.model)
     family = family_for_surgery(anatomy.model_type)
+    for name in request.methods:
+        if reason := METHODS[name.split("-")[0]].unsupported_reason(anatomy):
+            raise UserError(f"--methods: cannot plan {name} for this model: {reason}")
     device = resolve_device(request.device)
     check_calibration(request.calibration, anatomy)
     model, tokenizer = load_source(request.model, source)

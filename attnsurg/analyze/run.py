@@ -23,7 +23,7 @@ from attnsurg.analyze.report import (
     Spectrum,
     write_json,
 )
-from attnsurg.analyze.sparsity import TOP_SHARES, attention_probabilities, entropy_ratio, sink_mass, top_mass
+from attnsurg.analyze.sparsity import TOP_SHARES, attention_probabilities, entropy_ratio, layer_masking, sink_mass, top_mass
 from attnsurg.analyze.spectra import (
     energy_rank,
     frequency_energy,
@@ -124,7 +124,8 @@ class LayerAccumulator:
     def add_attention(self, query: torch.Tensor, key: torch.Tensor) -> None:
         groups = self.anatomy.num_heads // self.anatomy.num_kv_heads
         scale = getattr(self.attention, "scaling", self.anatomy.head_dim ** -0.5)
-        probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale)
+        probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale,
+                                                **layer_masking(self.attention))
         top = top_mass(probabilities, TOP_SHARES).double()
         sink, entropy = sink_mass(probabilities).double(), entropy_ratio(probabilities)
         self.top = top if self.top is None else self.top + top
@@ -172,14 +173,13 @@ def analyze_layers(model: nn.Module, family: Family, anatomy: AttentionAnatomy, 
     accumulators = [LayerAccumulator(i, attentions[i], anatomy, attention_windows) for i in layers]
     device = next(model.parameters()).device
     positions = torch.arange(windows.shape[1], device=device)[None]
-    rotary = model.get_submodule(family.rotary_path)
-    rope = None
+    rotaries = [family.layer_rotary(model, i) for i in layers]
+    ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def receive(slot: int, hidden: torch.Tensor) -> None:
-        nonlocal rope
-        if rope is None:
-            rope = rotary(hidden, positions)
-        accumulators[slot].add(hidden, rope)
+        if slot not in ropes:
+            ropes[slot] = rotaries[slot](hidden, positions)
+        accumulators[slot].add(hidden, ropes[slot])
 
     run_with_input_hooks(model, [attentions[i] for i in layers], windows, receive)
     with ui.status("Reducing the spectra..."):
@@ -258,12 +258,11 @@ def captured_heads(loaded: Loaded, layers: list[int]) -> dict[int, tuple[torch.T
     attentions = attention_layers(loaded.model, loaded.family)
     a = loaded.anatomy
     device = next(loaded.model.parameters()).device
-    rotary = loaded.model.get_submodule(loaded.family.rotary_path)
     captured = {}
 
     def receive(slot: int, hidden: torch.Tensor) -> None:
         attention = attentions[layers[slot]]
-        rope = rotary(hidden, torch.arange(hidden.shape[1], device=device)[None])
+        rope = loaded.family.layer_rotary(loaded.model, layers[slot])(hidden, torch.arange(hidden.shape[1], device=device)[None])
         _, _, value, query, key = head_projections(attention, a, hidden, rope)
         groups = a.num_heads // a.num_kv_heads
         scale = getattr(attention, "scaling", a.head_dim ** -0.5)

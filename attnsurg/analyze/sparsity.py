@@ -9,13 +9,24 @@ TOP_SHARES = (0.01, 0.05, 0.1)
 MIN_CONTEXT = 16  # queries that see fewer keys say little about sparsity (their top 1% is one key)
 
 
-def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Causal softmax attention [..., L, L] from post-RoPE queries [..., L, d] and keys [..., L, d] (keys already
-    repeated to the query heads), in the inputs' dtype."""
+    repeated to the query heads), in the inputs' dtype; a sliding layer's ``window`` and Gemma 2's ``softcap``
+    as the layer applies them."""
     length = query.shape[-2]
     scores = (query @ key.transpose(-1, -2)) * scale
-    future = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
-    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    hidden = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+    if window is not None:
+        hidden |= torch.ones_like(hidden).tril(-window)
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+
+
+def layer_masking(attention) -> dict:
+    """The window and soft-cap a family's attention module applies (Gemma, Mistral), as keyword arguments."""
+    return {"window": getattr(attention, "sliding_window", None), "softcap": getattr(attention, "attn_logit_softcapping", None)}
 
 
 def top_mass(probabilities: torch.Tensor, shares: tuple[float, ...] = TOP_SHARES,

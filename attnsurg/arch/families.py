@@ -7,6 +7,9 @@ adapter stays a few lines long.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from attnsurg.errors import UserError
@@ -28,6 +31,14 @@ class Family:
     k_proj: str = "k_proj"
     v_proj: str = "v_proj"
     o_proj: str = "o_proj"
+
+    def layer_rotary(self, model, index: int) -> Callable:
+        """The rotary embedding layer ``index`` rotates with, (x, positions) -> (cos, sin): Gemma 3's bound to
+        the layer's type (its sliding layers have their own base)."""
+        rotary = model.get_submodule(self.rotary_path)
+        if "layer_type" not in inspect.signature(rotary.forward).parameters:
+            return rotary
+        return functools.partial(rotary, layer_type=model.config.layer_types[index])
 
 
 # Families whose attention attnsurg can operate on. SmolLM checkpoints are model_type "llama".

@@ -1,6 +1,8 @@
-"""Gemma 2 and 3: the projection methods factorize q, k, v and o inside the family's own attention (soft-capping,
-query scale, q/k norms and sliding layers kept); Loki's attention keeps all four itself; the other methods that
-replace the attention module refuse with the reason."""
+"""Gemma 2 and 3: the projection methods factorize q, k, v and o inside the family's own attention; --kv-latent,
+--stacked and Loki replace it with attnsurg's, which keeps the family's soft-capping, query scale, q/k norms,
+sliding layers and per-type RoPE; MLA refuses with the reason. Analysis and the eval suite run on both."""
+
+import json
 
 import pytest
 import torch
@@ -157,3 +159,22 @@ def test_analyze_and_plan_run_on_gemma_and_mla_is_refused_before_loading(gemma_c
     refused = CliRunner().invoke(app, ["analyze", "plan", str(gemma_checkpoint), "--methods", "svdllm,mla", *calibration,
                                        "-o", str(tmp_path / "never")])
     assert refused.exit_code == 2 and "cannot plan mla" in refused.output and not (tmp_path / "never").exists()
+
+
+def test_the_eval_suite_runs_on_gemma_and_its_loki_result(gemma_checkpoint, corpus_file, tmp_path):
+    loki = tmp_path / "loki"
+    assert compressed(gemma_checkpoint, corpus_file, loki, "--method", "loki", "--rank", "8", "--top-k", "0.25").exit_code == 0
+    models = [str(gemma_checkpoint), str(loki)]
+    runner = CliRunner()
+    perplexity = runner.invoke(app, ["eval", "perplexity", *models, "--dataset", "wiki-sample,c4-sample", "--seq-len", "64",
+                                     "--tokens", "128", "--json"])
+    assert perplexity.exit_code == 0, perplexity.output
+    assert len(json.loads(perplexity.stdout)["results"]) == 4
+    tasks = runner.invoke(app, ["eval", "tasks", *models, "--limit", "4", "--passkey-lengths", "64", "--json"])
+    assert tasks.exit_code == 0, tasks.output
+    speed = runner.invoke(app, ["eval", "speed", *models, "--context", "48", "--new-tokens", "2", "--repeats", "1",
+                                "--warmup", "0", "--device", "cpu", "--json"])
+    assert speed.exit_code == 0, speed.output
+    for model in json.loads(speed.stdout)["models"]:  # sliding layers hold only their window: less than the config's
+        (context,) = model["contexts"]
+        assert 0 < context["kv_bytes_per_token"] < model["predicted_kv_bytes_per_token"]

@@ -174,8 +174,9 @@ def source_note(ref: str) -> str | None:
     if ref not in ASSETS:
         return None
     asset = ASSETS[ref]
-    return (f"Source: `{ref}`, attnsurg's built-in demo model: {asset.description} "
-            f"(`{asset.member}` in the PyPI wheel {asset.wheel.package}=={asset.wheel.version}).")
+    kind = "opt-in real model" if asset.opt_in else "demo model"
+    return (f"Source: `{ref}`, attnsurg's built-in {kind}: {asset.description} "
+            f"(`{asset.file_name()}` from the PyPI wheel{'s' if asset.more_chunks else ''} {asset.source()}).")
 
 
 def parameter_rows(source: PreTrainedModel, result: PreTrainedModel, attention_attr: str) -> list[dict[str, str]]:

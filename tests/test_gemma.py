@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from attnsurg.cli import app
 from attnsurg.io.load import load_model, resolve_source
-from attnsurg.modeling.modeling_attnsurg import LokiAttention
+from attnsurg.modeling.modeling_attnsurg import LokiAttention, StackedTuckerAttention
 
 from test_lowrank import remote_code_matches_attnsurg
 
@@ -97,6 +97,8 @@ def test_replaced_attention_decodes_past_the_window_as_it_recomputes(gemma_check
     result = compressed(gemma_checkpoint, corpus_file, tmp_path / "out", *args)
     assert result.exit_code == 0, result.output
     model = load_model(resolve_source(str(tmp_path / "out")))
+    if "--stacked" in args:  # the shared hidden coordinates are what the sliding cache holds
+        assert all(m.cache_latent for m in model.modules() if isinstance(m, StackedTuckerAttention))
     prompt = torch.randint(0, 384, (1, 10), generator=torch.Generator().manual_seed(4))
     generated = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, eos_token_id=None,
                                output_logits=True, return_dict_in_generate=True)

@@ -26,6 +26,8 @@ def test_error_model_passes_through_both_anchors_and_grows_with_the_proxy():
     flat = ErrorModel.through((0.3, 1.2), (0.3, 1.2))  # one point's worth: proportional through it
     steep = ErrorModel.through((0.01, 1.0), (0.02, 3.0))  # an anchor at x1: the power is enormous
     assert math.isfinite(steep.ratio(5.0)) and steep.ratio(5.0) > 1e20
+    inverted = ErrorModel.through((0.2, 1.01), (0.1, 1.5))  # the larger proxy measured better: proportional
+    assert inverted.power == 1.0 and inverted.ratio(0.0) == 1.0 and inverted.ratio(0.3) > 1.0
     assert flat.power == 1.0 and flat.ratio(0.3) == pytest.approx(1.2)
 
 

@@ -4,7 +4,9 @@ against exact causal attention, at equal budgets.
 A budget b is the share of exact attention's cost the approximation spends: rank b L of the attention matrix,
 b L Nystrom landmarks, b L random features, buckets of about b L keys (1 / b buckets), the b x context
 strongest keys. The error is ||O~ - O||_F / ||O||_F per head, O = softmax(Q K^T s + causal mask) V.
-Every family runs in float64 on one window of one head at a time: this is an instrument, not a kernel."""
+Every family runs in float64 on one window of one head at a time: this is an instrument, not a kernel. The
+reference is plain causal softmax attention of the layer's queries and keys: a sliding layer's window and Gemma
+2's soft-cap are not applied (the families approximate that attention, not the layer's variant of it)."""
 
 from __future__ import annotations
 

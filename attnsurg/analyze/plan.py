@@ -49,6 +49,7 @@ from attnsurg.calibrate import attention_layers, captured_inputs, causal_mask, i
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import eval_windows, perplexity_of, scoring_windows
 from attnsurg.info import inspect_model
+from attnsurg.io.assets import ensure_text
 from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
@@ -144,9 +145,9 @@ def loki_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]
             rope = rotary(window[None], torch.arange(window.shape[0])[None])
             _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
             scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
-            probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale,
-                                                    **layer_masking(attention))
-            outside[layer] += 1 - top_mass(probabilities, budgets).double().mean(0)
+            masking = layer_masking(attention)
+            probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale, **masking)
+            outside[layer] += 1 - top_mass(probabilities, budgets, window=masking["window"]).double().mean(0)
     return [[float(o[i]) / len(inputs[0]) for o in outside] for i in range(len(budgets))]
 
 
@@ -168,11 +169,12 @@ def loki_variance_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[li
             _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
             key = key.repeat_interleave(groups, dim=0)
             scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
-            probabilities = attention_probabilities(query, key, scale, **layer_masking(attention))
+            masking = layer_masking(attention)
+            probabilities = attention_probabilities(query, key, scale, **masking)
             query, key = query @ basis, key @ basis  # principal coordinates, strongest first
             for row, rank in zip(errors, ranks, strict=True):
                 scores = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
-                kept = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=scores)
+                kept = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=scores, window=masking["window"])
                 row[layer] += float(1 - kept.double().mean()) / len(hidden)
     return errors
 
@@ -286,9 +288,12 @@ class ErrorModel:
     def through(cls, first: tuple[float, float], second: tuple[float, float]) -> ErrorModel:
         (x1, r1), (x2, r2) = first, second
         y1, y2 = math.log(max(r1, 1 + 1e-9)), math.log(max(r2, 1 + 1e-9))
-        if min(x1, x2) <= 0 or abs(math.log(x2 / x1)) < 1e-9:  # one point's worth: proportional
-            return cls(scale=(y1 + y2) / max(x1 + x2, 1e-12), power=1.0)
+        proportional = cls(scale=(y1 + y2) / max(x1 + x2, 1e-12), power=1.0)
+        if min(x1, x2) <= 0 or abs(math.log(x2 / x1)) < 1e-9:  # one point's worth
+            return proportional
         power = math.log(y2 / y1) / math.log(x2 / x1)
+        if power <= 0:  # the larger proxy measured no worse: the proxy does not order these two; stay proportional
+            return proportional
         return cls(scale=y1 / x1 ** power, power=power)
 
     def ratio(self, proxy: float) -> float:
@@ -392,6 +397,8 @@ def load_context(request: PlanRequest) -> PlanContext:
             raise UserError(f"--methods: cannot plan {name} for this model: {reason}")
     device = resolve_device(request.device)
     check_calibration(request.calibration, anatomy)
+    for domain in request.eval_domains:  # fetched before minutes of work, not after
+        ensure_text(domain)
     model, tokenizer = load_source(request.model, source)
     windows = source_windows(tokenizer, request.calibration, anatomy)
     attentions = attention_layers(model, family)

@@ -124,10 +124,10 @@ class LayerAccumulator:
     def add_attention(self, query: torch.Tensor, key: torch.Tensor) -> None:
         groups = self.anatomy.num_heads // self.anatomy.num_kv_heads
         scale = getattr(self.attention, "scaling", self.anatomy.head_dim ** -0.5)
-        probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale,
-                                                **layer_masking(self.attention))
-        top = top_mass(probabilities, TOP_SHARES).double()
-        sink, entropy = sink_mass(probabilities).double(), entropy_ratio(probabilities)
+        masking = layer_masking(self.attention)
+        probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale, **masking)
+        top = top_mass(probabilities, TOP_SHARES, window=masking["window"]).double()
+        sink, entropy = sink_mass(probabilities).double(), entropy_ratio(probabilities, window=masking["window"])
         self.top = top if self.top is None else self.top + top
         self.sink = sink if self.sink is None else self.sink + sink
         self.entropy = entropy if self.entropy is None else self.entropy + entropy

@@ -9,43 +9,57 @@ TOP_SHARES = (0.01, 0.05, 0.1)
 MIN_CONTEXT = 16  # queries that see fewer keys say little about sparsity (their top 1% is one key)
 
 
+def visible_keys(length: int, window: int | None = None, device=None) -> torch.Tensor:
+    """[L, L] bool: the keys each query attends to: causal, and within the last ``window`` tokens on a sliding
+    layer."""
+    visible = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return visible if window is None else visible & ~torch.ones_like(visible).tril(-window)
+
+
 def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, window: int | None = None,
                             softcap: float | None = None) -> torch.Tensor:
     """Causal softmax attention [..., L, L] from post-RoPE queries [..., L, d] and keys [..., L, d] (keys already
     repeated to the query heads), in the inputs' dtype; a sliding layer's ``window`` and Gemma 2's ``softcap``
     as the layer applies them."""
-    length = query.shape[-2]
     scores = (query @ key.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    hidden = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
-    if window is not None:
-        hidden |= torch.ones_like(hidden).tril(-window)
-    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return torch.softmax(scores.masked_fill(~visible_keys(query.shape[-2], window, scores.device), float("-inf")), dim=-1)
 
 
 def layer_masking(attention) -> dict:
-    """The window and soft-cap a family's attention module applies (Gemma, Mistral), as keyword arguments."""
-    return {"window": getattr(attention, "sliding_window", None), "softcap": getattr(attention, "attn_logit_softcapping", None)}
+    """The window and soft-cap a family's attention module applies (Gemma's, Mistral's and Phi-3's windows, Gemma
+    2's soft-cap), read from its config as attnsurg's own attention reads them, as keyword arguments."""
+    from attnsurg.modeling.modeling_attnsurg import layer_window
+
+    config = attention.config
+    return {"window": layer_window(config, attention.layer_idx), "softcap": getattr(config, "attn_logit_softcapping", None)}
 
 
-def top_mass(probabilities: torch.Tensor, shares: tuple[float, ...] = TOP_SHARES,
-             min_context: int = MIN_CONTEXT, scores: torch.Tensor | None = None) -> torch.Tensor:
+def context_sizes(length: int, window: int | None, device=None) -> torch.Tensor:
+    """How many keys each of L queries sees."""
+    context = torch.arange(1, length + 1, device=device)
+    return context if window is None else context.clamp(max=window)
+
+
+def top_mass(probabilities: torch.Tensor, shares: tuple[float, ...] = TOP_SHARES, min_context: int = MIN_CONTEXT,
+             scores: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """[heads, shares]: per head, the mean over queries (those seeing at least ``min_context`` keys) of the
-    attention mass in the ceil(share x context) strongest keys of each query (one sort for every share).
+    attention mass in the ceil(share x context) strongest keys of each query (one sort for every share); on a
+    sliding layer the context is the ``window``.
 
     With ``scores`` ([..., L, L], e.g. a cheaper scorer's q . k), the keys kept are the ones those scores rank
-    highest, the current token always among them (as Loki keeps it), instead of the truly strongest."""
+    highest among the visible ones, the current token always among them (as Loki keeps it), instead of the
+    truly strongest."""
     length = probabilities.shape[-1]
-    context = torch.arange(1, length + 1, device=probabilities.device)
+    context = context_sizes(length, window, probabilities.device)
     if scores is None:
         cumulative = probabilities.sort(dim=-1, descending=True).values.cumsum(-1)
     else:
-        future = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
-        ranking = scores.float().masked_fill(future, float("-inf"))
+        ranking = scores.float().masked_fill(~visible_keys(length, window, scores.device), float("-inf"))
         ranking.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
         cumulative = probabilities.gather(-1, ranking.argsort(dim=-1, descending=True)).cumsum(-1)
-    rows = context >= min(min_context, length)
+    rows = torch.arange(1, length + 1, device=probabilities.device) >= min(min_context, length)
     masses = []
     for share in shares:
         counts = torch.ceil(context.double() * share).long().clamp(1, length)
@@ -55,17 +69,18 @@ def top_mass(probabilities: torch.Tensor, shares: tuple[float, ...] = TOP_SHARES
 
 
 def sink_mass(probabilities: torch.Tensor, min_context: int = MIN_CONTEXT) -> torch.Tensor:
-    """Per head, the mean attention mass on the first token (queries seeing at least ``min_context`` keys)."""
+    """Per head, the mean attention mass on the first token (queries seeing at least ``min_context`` keys; on a
+    sliding layer those past the window see it no more and count 0)."""
     length = probabilities.shape[-1]
     rows = torch.arange(1, length + 1, device=probabilities.device) >= min(min_context, length)
     return probabilities[..., rows, 0].mean(-1)
 
 
-def entropy_ratio(probabilities: torch.Tensor, min_context: int = MIN_CONTEXT) -> torch.Tensor:
-    """Per head, the mean attention entropy over log(context): 1 is uniform over the context, 0 one key."""
+def entropy_ratio(probabilities: torch.Tensor, min_context: int = MIN_CONTEXT, window: int | None = None) -> torch.Tensor:
+    """Per head, the mean attention entropy over log(context): 1 is uniform over the context (the window, on a
+    sliding layer), 0 one key."""
     length = probabilities.shape[-1]
-    context = torch.arange(1, length + 1, device=probabilities.device).double()
+    context = context_sizes(length, window, probabilities.device).double()
     entropy = -(probabilities.double() * probabilities.double().clamp_min(1e-30).log()).sum(-1)
-    rows = context >= max(2, min(min_context, length))
+    rows = (torch.arange(1, length + 1, device=probabilities.device) >= min(min_context, length)) & (context >= 2)
     return (entropy[..., rows] / context[rows].log()).mean(-1)
-

@@ -79,7 +79,6 @@ class HeadTensorPlan:
     choose_ranks: bool  # tucker from --ratio: the split between modes is chosen per unit on calibration data
     budgets: list[int] = field(default_factory=list)  # parameters each unit may keep (ratio mode)
     kv_values_per_layer: int = 0
-    cache_factors: bool = True  # cache k/v hidden-mode coordinates where narrower (not with sliding windows)
     weighted: bool = True  # consumer weights (shared across heads) on q/k/v outputs
     kv_latent = False
     allocate = False
@@ -119,8 +118,6 @@ class HeadTensorPlan:
     def factored_kv(self) -> dict[int, tuple[int, int]]:
         """Layers whose k and v are both decomposed with hidden ranks that together undercut 2 G d: the cache
         holds those coordinates instead of K and V (same outputs, fewer values per token)."""
-        if not self.cache_factors:
-            return {}
         by_layer: dict[int, dict[str, int | None]] = {}
         for i, unit in enumerate(self.units):
             if unit.name in ("k", "v"):
@@ -175,7 +172,7 @@ def plan_head_tensor(
     units = plan_units(anatomy, targets)
     decomposer = DECOMPOSERS[method]
     plan = HeadTensorPlan(method, targets, units, [], choose_ranks=False, kv_values_per_layer=anatomy.kv_values_per_layer,
-                          cache_factors=not anatomy.sliding_window, weighted=weighted)
+                          weighted=weighted)
     if ranks is not None:
         for unit in units:
             decomposer.check_ranks(unit.shape, tuple(ranks), unit.label)

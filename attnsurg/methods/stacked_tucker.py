@@ -120,7 +120,6 @@ class StackedTuckerPlan:
     ranks: list[tuple[int, int]]  # per layer: (R_dim, R_hidden)
     kv_values_per_layer: int
     weighted: bool = True
-    cache_factors: bool = True  # cache u = x A where narrower than K and V (not with sliding windows)
     method = "tucker"
     stacked = True
     targets = PROJECTION_ORDER
@@ -154,7 +153,7 @@ class StackedTuckerPlan:
         return "x".join(map(str, self.ranks[index]))
 
     def caches_latent(self, index: int) -> bool:
-        return self.cache_factors and self.ranks[index][1] < self.kv_values_per_layer
+        return self.ranks[index][1] < self.kv_values_per_layer
 
     def kv_values_after(self) -> int:
         return sum(r[1] if self.caches_latent(i) else self.kv_values_per_layer for i, r in enumerate(self.ranks))
@@ -181,7 +180,7 @@ def plan_stacked_tucker(
         raise UserError("give the budget as exactly one of --ratio or --ranks head_dim,hidden")
     units = [LayerUnit(layer, anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, anatomy.hidden_size)
              for layer in range(anatomy.num_layers)]
-    plan = StackedTuckerPlan(units, [], anatomy.kv_values_per_layer, weighted, cache_factors=not anatomy.sliding_window)
+    plan = StackedTuckerPlan(units, [], anatomy.kv_values_per_layer, weighted)
     if ranks is not None:
         check_ranks(units[0], tuple(ranks))
         plan.ranks = [(ranks[0], ranks[1])] * len(units)

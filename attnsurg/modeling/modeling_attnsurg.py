@@ -262,10 +262,9 @@ class RebuiltKVAttention(AttentionBase):
         key = apply_rope(key, cos, sin)
         query = apply_rope(query, cos[:, total - length :], sin[:, total - length :])
 
-        if self.softcap is None:
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        else:  # soft-capped scores (Gemma 2) have no fused kernel here
-            attention = soft_capped_attention_forward
+        # as the family's own attention picks it: soft-capped scores (Gemma 2) fall back to Gemma 2's eager form
+        eager = eager_attention_forward if self.softcap is None else soft_capped_attention_forward
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
         output, weights = attention(
             self,
             query,

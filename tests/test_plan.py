@@ -65,15 +65,12 @@ def test_each_proxy_falls_as_the_budget_grows_and_vanishes_at_full_budget(contex
 
 
 def test_loki_variance_at_full_variance_selects_the_true_top_keys(context):
-    """At variance 1 the scores use every principal coordinate, so they pick the truly strongest keys: the
-    proxy is the mass outside the exact top quarter (as the fixed-rank loki proxy measures it at 1/4), and
-    fewer coordinates lose more."""
+    """At variance 1 the scores use every principal coordinate, so they pick the truly strongest keys and miss
+    nothing against them; fewer coordinates miss more."""
     from attnsurg.analyze.plan import LOKI_VARIANCE_TOP_K
 
     by_variance = [sum(row) for row in PLANNED["loki-variance"].proxy(context, (0.3, 0.6, 1.0))]
-    exact = sum(PLANNED["loki"].proxy(context, (LOKI_VARIANCE_TOP_K,))[0])
-    assert by_variance[-1] == pytest.approx(exact, rel=0.05), (by_variance, exact)
-    assert by_variance[0] > by_variance[-1] * 1.05, by_variance
+    assert by_variance[0] > by_variance[1] > 0 and abs(by_variance[-1]) < 1e-3 * by_variance[0], by_variance
     settings = PLANNED["loki-variance"].settings(0.9, context.anatomy)
     assert settings.variance == 0.9 and settings.rank is None and settings.top_k == LOKI_VARIANCE_TOP_K
 

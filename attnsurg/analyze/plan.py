@@ -9,8 +9,8 @@ Per method, a per-layer error proxy is measured on the model at every candidate 
 - loki (half the head dim scores keys; the budget is the share of each query's context kept): each layer's
   attention mass outside each query's top-k keys, mean over heads;
 - loki-variance (per-layer scoring ranks, ``--variance``; the budget is the share of the key variance the
-  scores keep, with each query keeping a quarter of its context): each layer's attention mass outside the keys
-  its rank-r scores select;
+  scores keep, with each query keeping a quarter of its context): each layer's attention mass the keys its
+  rank-r scores select miss against the truly strongest quarter (0 at full rank, where the scores are exact);
 - mla (the KV budget): each layer's closed-form relative output error on calibration windows (the
   conversion before refinement);
 - tucker, cp (q, k, v and o per head as 3-way tensors; the budget is the share of attention parameters
@@ -171,11 +171,13 @@ def loki_variance_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[li
             scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
             masking = layer_masking(attention)
             probabilities = attention_probabilities(query, key, scale, **masking)
+            best = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=probabilities,  # the current token kept alike
+                            window=masking["window"]).double().mean()
             query, key = query @ basis, key @ basis  # principal coordinates, strongest first
             for row, rank in zip(errors, ranks, strict=True):
                 scores = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
                 kept = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=scores, window=masking["window"])
-                row[layer] += float(1 - kept.double().mean()) / len(hidden)
+                row[layer] += float(best - kept.double().mean()) / len(hidden)
     return errors
 
 

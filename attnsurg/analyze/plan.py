@@ -47,7 +47,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.calibrate import attention_layers, captured_inputs, causal_mask, input_statistics
 from attnsurg.errors import UserError
-from attnsurg.eval.perplexity import eval_windows, perplexity_of, scoring_windows
+from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.info import inspect_model
 from attnsurg.io.assets import ensure_text
 from attnsurg.io.load import resolve_device
@@ -133,21 +133,26 @@ def lowrank_proxy(method: str, allocate: bool = False) -> Callable[[PlanContext,
     return proxy
 
 
+def layer_attention(ctx: PlanContext, layer: int, attention, window: torch.Tensor):
+    """One calibration window's post-RoPE queries and keys [heads, L, d] (keys repeated to the query heads) at
+    ``layer``, its attention probabilities as the layer computes them, and the layer's sliding window."""
+    rope = ctx.family.layer_rotary(ctx.model, layer)(window[None], torch.arange(window.shape[0])[None])
+    _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
+    key = key.repeat_interleave(ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads, dim=0)
+    masking = layer_masking(attention)
+    scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
+    return query, key, attention_probabilities(query, key, scale, **masking), masking["window"]
+
+
 @torch.no_grad()
 def loki_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
     attentions = ctx.attentions()
-    groups = ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads
     outside = [torch.zeros(len(budgets), dtype=torch.float64) for _ in attentions]
     inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
     for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
-        rotary = ctx.family.layer_rotary(ctx.model, layer)
         for window in hidden:
-            rope = rotary(window[None], torch.arange(window.shape[0])[None])
-            _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
-            scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
-            masking = layer_masking(attention)
-            probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale, **masking)
-            outside[layer] += 1 - top_mass(probabilities, budgets, window=masking["window"]).double().mean(0)
+            _, _, probabilities, sliding = layer_attention(ctx, layer, attention, window)
+            outside[layer] += 1 - top_mass(probabilities, budgets, window=sliding).double().mean(0)
     return [[float(o[i]) / len(inputs[0]) for o in outside] for i in range(len(budgets))]
 
 
@@ -159,24 +164,18 @@ def loki_variance_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[li
     inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
     errors = [[0.0] * len(attentions) for _ in budgets]
     for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
-        rotary = ctx.family.layer_rotary(ctx.model, layer)
         inv_freq = layer_inv_freq(ctx.model.get_submodule(ctx.family.rotary_path), ctx.model.config, layer)
         bases, energies = key_bases(attention, ctx.stats[layer][0], ctx.anatomy.num_kv_heads, inv_freq, length, "post-rope")
         ranks = [rank_for_variance(energies, variance) for variance in budgets]
         basis = bases.float().repeat_interleave(groups, dim=0)  # [heads, d, d]
         for window in hidden:
-            rope = rotary(window[None], torch.arange(window.shape[0])[None])
-            _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
-            key = key.repeat_interleave(groups, dim=0)
-            scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
-            masking = layer_masking(attention)
-            probabilities = attention_probabilities(query, key, scale, **masking)
+            query, key, probabilities, sliding = layer_attention(ctx, layer, attention, window)
             best = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=probabilities,  # the current token kept alike
-                            window=masking["window"]).double().mean()
+                            window=sliding).double().mean()
             query, key = query @ basis, key @ basis  # principal coordinates, strongest first
             for row, rank in zip(errors, ranks, strict=True):
                 scores = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
-                kept = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=scores, window=masking["window"])
+                kept = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=scores, window=sliding)
                 row[layer] += float(best - kept.double().mean()) / len(hidden)
     return errors
 
@@ -416,10 +415,8 @@ def scored_texts(request: PlanRequest, model: PreTrainedModel, tokenizer, anatom
     """The calibration text's eval part, then each eval domain it is not, with the source's perplexity on each."""
     data = request.calibration.data.scored()
     first = data.dataset or Path(data.text).name
-    texts = [(first, scoring_windows(tokenizer, data, request.eval_tokens, anatomy.max_positions))]
-    length = min(1024, request.eval_tokens, anatomy.max_positions or 1024)
-    texts += [(domain, eval_windows(tokenizer, TextData(dataset=domain), length, request.eval_tokens))
-              for domain in request.eval_domains if domain != first]
+    texts = [(first, data)] + [(domain, TextData(dataset=domain)) for domain in request.eval_domains if domain != first]
+    texts = [(name, scoring_windows(tokenizer, text, request.eval_tokens, anatomy.max_positions)) for name, text in texts]
     return [ScoredText(name, windows, perplexity_of(model, *windows, f"the source on {name}", device))
             for name, windows in texts]
 

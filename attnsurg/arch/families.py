@@ -7,8 +7,6 @@ adapter stays a few lines long.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,12 +31,10 @@ class Family:
     o_proj: str = "o_proj"
 
     def layer_rotary(self, model, index: int) -> Callable:
-        """The rotary embedding layer ``index`` rotates with, (x, positions) -> (cos, sin): Gemma 3's bound to
-        the layer's type (its sliding layers have their own base)."""
-        rotary = model.get_submodule(self.rotary_path)
-        if "layer_type" not in inspect.signature(rotary.forward).parameters:
-            return rotary
-        return functools.partial(rotary, layer_type=model.config.layer_types[index])
+        """The rotary embedding layer ``index`` rotates with, (x, positions) -> (cos, sin) (Gemma 3: per type)."""
+        from attnsurg.modeling.modeling_attnsurg import layer_rotary
+
+        return layer_rotary(model.get_submodule(self.rotary_path), model.config, index)
 
 
 # Families whose attention attnsurg can operate on. SmolLM checkpoints are model_type "llama".

@@ -584,16 +584,19 @@ def head_tensor_projection(old: nn.Module, spec: dict) -> HeadTensorProjection:
     return CPProjection(hidden, heads, head_dim, int(spec["rank"]), heads_on, bias)
 
 
+def layer_rotary(rotary: nn.Module, config, layer_idx: int) -> Callable:
+    """The rotary embedding layer ``layer_idx`` rotates with, (x, positions) -> (cos, sin): Gemma 3's bound to the
+    layer's type (its sliding layers have their own base)."""
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return rotary
+    return functools.partial(rotary, layer_type=config.layer_types[layer_idx])
+
+
 def link_rotary(model: nn.Module) -> None:
-    """Give each rebuilt-KV attention the model's rotary embedding without registering it twice (Gemma 3's
-    bound to the layer's type: its sliding layers rotate with their own base)."""
-    rotary = model.model.rotary_emb
-    types = getattr(model.config, "layer_types", None)
-    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    """Give each rebuilt-KV attention its layer's rotary embedding without registering it twice."""
     for index, layer in enumerate(model.model.layers):
         if isinstance(layer.self_attn, RebuiltKVAttention):
-            bound = functools.partial(rotary, layer_type=types[index]) if per_type else rotary
-            object.__setattr__(layer.self_attn, "rotary", bound)
+            object.__setattr__(layer.self_attn, "rotary", layer_rotary(model.model.rotary_emb, model.config, index))
 
 
 class SurgeryMixin:

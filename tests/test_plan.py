@@ -29,6 +29,9 @@ def test_error_model_passes_through_both_anchors_and_grows_with_the_proxy():
     inverted = ErrorModel.through((0.2, 1.01), (0.1, 1.5))  # the larger proxy measured better: proportional
     assert inverted.power == 1.0 and inverted.ratio(0.0) == 1.0 and inverted.ratio(0.3) > 1.0
     assert flat.power == 1.0 and flat.ratio(0.3) == pytest.approx(1.2)
+    floored = ErrorModel.through((0.2, 1.2), (0.8, 2.0), floor=1.1)  # a method not exact at proxy 0
+    assert floored.ratio(0.0) == pytest.approx(1.1) and floored.ratio(0.2) == pytest.approx(1.2)
+    assert floored.ratio(0.8) == pytest.approx(2.0) and floored.ratio(0.1) < floored.ratio(0.2)
 
 
 def test_the_smallest_budget_within_the_target_leaves_no_larger_budget_above_it():
@@ -77,7 +80,7 @@ def test_loki_variance_at_full_variance_selects_the_true_top_keys(context):
 
 def test_plan_writes_a_report_with_its_schema_a_plot_and_runnable_recipes(tiny_checkpoints, corpus_file, tmp_path):
     out = tmp_path / "plan"
-    args = ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,loki,tucker", "--calib-text", str(corpus_file),
+    args = ["analyze", "plan", str(tiny_checkpoints["llama-gqa"]), "--methods", "svdllm,loki,loki-variance,tucker", "--calib-text", str(corpus_file),
             "--calib-tokens", "512", "--calib-seq-len", "64", "--eval-tokens", "256", "--target-ratio", "1.5",
             "--eval-domains", "none", "--verify", "-o", str(out), "--json"]
     result = CliRunner().invoke(app, args)
@@ -89,8 +92,12 @@ def test_plan_writes_a_report_with_its_schema_a_plot_and_runnable_recipes(tiny_c
         assert len(method["anchors"]) == 2 and all(math.isfinite(a["ratio"]) for a in method["anchors"])
         assert method["chosen"] is not None and method["measured_ratio"] is not None
         recipe = parse_recipe((out / f"{method['method']}.yaml").read_text())
-        budget = recipe.surgery.top_k if method["method"] == "loki" else recipe.surgery.ratio
-        assert budget == method["chosen"]
+        knob = {"loki": "top_k", "loki-variance": "variance"}.get(method["method"], "ratio")
+        assert getattr(recipe.surgery, knob) == method["chosen"]
+        floor = method["floor"]  # only loki-variance is not exact where its proxy vanishes
+        assert (floor is not None) == (method["method"] == "loki-variance")
+        if floor is not None:  # the fitted model starts from the measured floor
+            assert floor["budget"] == 1.0 and method["predicted"][-1] >= floor["ratio"] - 1e-9
 
 
 def test_unknown_methods_are_one_line_and_exit_2(tiny_checkpoints, tmp_path):

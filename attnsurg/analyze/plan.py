@@ -107,13 +107,18 @@ class PlanContext:
 @dataclass(frozen=True)
 class PlannedMethod:
     """A method's budget knob: candidate budgets, the two anchor budgets converted for real, the recipe step
-    at a budget and the per-layer proxy at every budget ([budget][layer])."""
+    at a budget and the per-layer proxy at every budget ([budget][layer]).
+
+    ``floor_budget``: where the proxy vanishes but the method still changes the model (loki-variance at full
+    variance: exact scores, yet each query keeps only a quarter of its keys). It is converted for real too and
+    its ratio is the error model's floor; without one the floor is x1 (the method is exact at proxy 0)."""
 
     name: str
     budgets: tuple[float, ...]
     anchors: tuple[float, float]
     settings: Callable[[float, AttentionAnatomy], BaseModel]
     proxy: Callable[[PlanContext, tuple[float, ...]], list[list[float]]]
+    floor_budget: float | None = None
 
 
 # ------------------------------------------------------------------------------------------ proxies
@@ -259,7 +264,7 @@ PLANNED: dict[str, PlannedMethod] = {
     "loki": PlannedMethod("loki", (1 / 32, 1 / 16, 0.09375, 0.125, 0.1875, 0.25, 0.375, 0.5), (1 / 16, 0.25),
                           loki_settings, loki_proxy),
     "loki-variance": PlannedMethod("loki-variance", VARIANCE_BUDGETS, (0.6, 0.9), loki_variance_settings,
-                                   loki_variance_proxy),
+                                   loki_variance_proxy, floor_budget=1.0),
     "mla": PlannedMethod("mla", (0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75), (0.25, 0.5),
                          mla_settings, mla_proxy),
     **{m: PlannedMethod(m, PARAMETER_BUDGETS, (0.5, 0.8), headtensor_settings(m), headtensor_proxy(m)) for m in ("tucker", "cp")},
@@ -280,27 +285,29 @@ MAX_LOG_RATIO = 50.0  # predictions are capped at e^50 (anchors near x1 can give
 
 @dataclass(frozen=True)
 class ErrorModel:
-    """log(ratio) = scale * proxy^power, through two anchors (proxy, measured ratio)."""
+    """log(ratio) = log(floor) + scale * proxy^power, through two anchors (proxy, measured ratio); the floor is
+    the ratio at proxy 0 (x1 for a method exact there)."""
 
     scale: float
     power: float
+    floor: float = 1.0
 
     @classmethod
-    def through(cls, first: tuple[float, float], second: tuple[float, float]) -> ErrorModel:
+    def through(cls, first: tuple[float, float], second: tuple[float, float], floor: float = 1.0) -> ErrorModel:
         (x1, r1), (x2, r2) = first, second
-        y1, y2 = math.log(max(r1, 1 + 1e-9)), math.log(max(r2, 1 + 1e-9))
-        proportional = cls(scale=(y1 + y2) / max(x1 + x2, 1e-12), power=1.0)
+        y1, y2 = (math.log(max(r / floor, 1 + 1e-9)) for r in (r1, r2))
+        proportional = cls(scale=(y1 + y2) / max(x1 + x2, 1e-12), power=1.0, floor=floor)
         if min(x1, x2) <= 0 or abs(math.log(x2 / x1)) < 1e-9:  # one point's worth
             return proportional
         power = math.log(y2 / y1) / math.log(x2 / x1)
         if power <= 0:  # the larger proxy measured no worse: the proxy does not order these two; stay proportional
             return proportional
-        return cls(scale=y1 / x1 ** power, power=power)
+        return cls(scale=y1 / x1 ** power, power=power, floor=floor)
 
     def ratio(self, proxy: float) -> float:
         """The predicted ratio, at most e^MAX_LOG_RATIO: far past any target, and finite in JSON."""
         try:
-            exponent = self.scale * max(proxy, 0.0) ** self.power
+            exponent = math.log(self.floor) + self.scale * max(proxy, 0.0) ** self.power
         except OverflowError:
             exponent = MAX_LOG_RATIO
         return math.exp(min(exponent, MAX_LOG_RATIO))
@@ -359,12 +366,16 @@ def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanRepo
         proxy = proxies[method.budgets.index(budget)]
         ratios = measured_ratios(ctx, method, budget)
         anchors.append(Anchor(budget=budget, proxy=proxy, ratio=worst(ratios), ratios=ratios))
-    model = ErrorModel.through(*[(a.proxy, a.ratio) for a in anchors])
+    floor = None
+    if method.floor_budget is not None:
+        ratios = measured_ratios(ctx, method, method.floor_budget)
+        floor = Anchor(budget=method.floor_budget, proxy=0.0, ratio=worst(ratios), ratios=ratios)
+    model = ErrorModel.through(*[(a.proxy, a.ratio) for a in anchors], floor=floor.ratio if floor else 1.0)
     predicted = [model.ratio(p) for p in proxies]
     chosen = smallest_within(method.budgets, predicted, ctx.request.target_ratio)
     report = MethodPlanReport(method=method.name, budgets=list(method.budgets), proxies=proxies,
-                              layer_proxies=per_layer, predicted=predicted, anchors=anchors, scale=model.scale,
-                              power=model.power, chosen=chosen)
+                              layer_proxies=per_layer, predicted=predicted, anchors=anchors, floor=floor,
+                              scale=model.scale, power=model.power, chosen=chosen)
     if chosen is None:
         return report, None
     report.predicted_ratio = predicted[method.budgets.index(chosen)]

@@ -174,6 +174,8 @@ def plan_figure(report, path: Path) -> Path:
     for axis, method in zip(axes[0], report.methods, strict=True):
         axis.semilogy(method.budgets, method.predicted, marker=".", label="predicted")
         axis.semilogy([a.budget for a in method.anchors], [a.ratio for a in method.anchors], "s", label="anchors (measured)")
+        if method.floor is not None:
+            axis.semilogy([method.floor.budget], [method.floor.ratio], "v", label="floor (measured)")
         if method.measured_ratio is not None:
             axis.semilogy([method.chosen], [method.measured_ratio], "*", markersize=12, label="chosen (measured)")
         axis.axhline(report.target_ratio, color="grey", linestyle="--", label=f"target x{report.target_ratio:g}")

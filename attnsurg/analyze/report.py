@@ -99,7 +99,8 @@ class Anchor(Strict):
 
 class MethodPlanReport(Strict):
     """One method's plan: its proxy and predicted ratio at every candidate budget, the anchors, the error model
-    log(ratio) = scale * proxy^power, and the chosen budget (None: no candidate stays within the target)."""
+    log(ratio) = log(floor) + scale * proxy^power, and the chosen budget (None: no candidate stays within the
+    target)."""
 
     method: str
     budgets: list[float]
@@ -107,6 +108,8 @@ class MethodPlanReport(Strict):
     layer_proxies: list[list[float]] = Field(description="Per budget, the error proxy of each layer.")
     predicted: list[float] = Field(description="Per budget, the predicted perplexity ratio.")
     anchors: list[Anchor]
+    floor: Anchor | None = Field(None, description="Where the proxy is 0 but the method is not exact, converted "
+                                                   "for real: the error model's floor (none: x1).")
     scale: float
     power: float
     chosen: float | None

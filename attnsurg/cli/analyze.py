@@ -258,6 +258,8 @@ def plan_table(report) -> Table:
     for m in report.methods:
         anchors = ", ".join(f"{a.budget:g}: x{a.ratio:.3f}{worst_text(a.ratios, texts)}" for a in m.anchors)
         model = f"ln r = {m.scale:.3g} e^{m.power:.2f}"
+        if m.floor is not None:
+            model = f"ln r = ln {m.floor.ratio:.3f} + {m.scale:.3g} e^{m.power:.2f}"
         chosen = "none" if m.chosen is None else f"{m.chosen:g}"
         predicted = "" if m.predicted_ratio is None else f"x{m.predicted_ratio:.3f}"
         measured = "" if m.measured_ratio is None else (f"x{m.measured_ratio:.3f}{worst_text(m.measured_ratios, texts)} "

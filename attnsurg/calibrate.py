@@ -220,9 +220,12 @@ def check_finite(stats: list[InputStatistics], names: list[str] | None = None) -
                             "with `attnsurg eval perplexity MODEL`")
 
 
-def causal_mask(length: int) -> torch.Tensor:
-    """Additive [1, 1, L, L] causal mask, explicit so every attention implementation honours it."""
+def causal_mask(length: int, window: int | None = None) -> torch.Tensor:
+    """Additive [1, 1, L, L] causal mask, explicit so every attention implementation honours it; with a sliding
+    ``window``, each query sees only the last ``window`` tokens (itself included), as Mistral's layers do."""
     blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
+    if window is not None:
+        blocked |= torch.ones(length, length, dtype=torch.bool).tril(-window)
     return additive_mask(~blocked[None])
 
 
@@ -238,12 +241,13 @@ def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked
     ``InputStatistics`` of each ``hooked`` submodule over the windows, after the layer has advanced the stream.
     With ``device``, the stream and each layer's pass live there; the layer is yielded back on the CPU."""
     from attnsurg.io.lazy import load_layer, rotary_embedding
+    from attnsurg.modeling.modeling_attnsurg import layer_window
     from attnsurg.placement import on_device
 
     stream = stream.to(device or stream.device)
     rope = rotary_embedding(config).to(stream.device)(stream[:1], torch.arange(stream.shape[1], device=stream.device)[None])
-    mask = causal_mask(stream.shape[1]).to(stream.device)
     for index in range(config.num_hidden_layers):
+        mask = causal_mask(stream.shape[1], layer_window(config, index)).to(stream.device)
         layer = load_layer(reader, config, index, prefix=family.layers_path)
         stats = {name: InputStatistics() for name in hooked}
         handles = [layer.get_submodule(name).register_forward_pre_hook(

@@ -35,17 +35,24 @@ def test_reading_what_is_not_there_says_so(tiny_checkpoints, tmp_path):
         CheckpointReader(tmp_path)
 
 
-def test_streamed_statistics_equal_the_loaded_models(tiny_checkpoints):
+@pytest.mark.parametrize("variant, window", [("qwen2", None), ("mistral", 6)])
+def test_streamed_statistics_equal_the_loaded_models(variant, window, tiny_checkpoints, tmp_path):
+    """Mistral with a window shorter than the calibration windows: each streamed layer sees only its window too."""
     from attnsurg.arch.families import family_for_surgery
     from attnsurg.calibrate import input_statistics
     from attnsurg.calibrate import streamed_input_statistics
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen2"])
-    family = family_for_surgery("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant])
+    if window is not None:
+        model.config.sliding_window = window
+        model.save_pretrained(tmp_path / "windowed")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "windowed")
+    family = family_for_surgery(variant)
     windows = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
     attentions = [layer.self_attn for layer in model.model.layers]
     loaded = input_statistics(model, attentions + [a.o_proj for a in attentions], windows)
-    streamed = streamed_input_statistics(CheckpointReader(tiny_checkpoints["qwen2"]), model.config, family, windows)
+    checkpoint = tiny_checkpoints[variant] if window is None else tmp_path / "windowed"
+    streamed = streamed_input_statistics(CheckpointReader(checkpoint), model.config, family, windows)
     layers = model.config.num_hidden_layers
     for index, (attention, o_proj) in enumerate(streamed):
         torch.testing.assert_close(attention.sigma, loaded[index].sigma, rtol=1e-5, atol=1e-6)

@@ -386,6 +386,15 @@ def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanRepo
     return report, recipe_text(ctx, method, chosen, report)
 
 
+def method_summary(report: MethodPlanReport) -> str:
+    if report.chosen is None:
+        return f"{report.method}: no budget predicted within the target"
+    line = f"{report.method}: budget {report.chosen:g}, predicted x{report.predicted_ratio:.3f}"
+    if report.measured_ratio is not None:
+        line += f", measured x{report.measured_ratio:.3f} ({report.relative_difference:+.1%})"
+    return line
+
+
 def recipe_text(ctx: PlanContext, method: PlannedMethod, budget: float, report: MethodPlanReport) -> str:
     name = Path(ctx.request.model.ref).name or ctx.request.model.ref
     output = Path("out") / f"{name}-{method.name}-{budget:g}"
@@ -446,6 +455,7 @@ def run_plan(request: PlanRequest) -> tuple[PlanReport, list[Path]]:
         methods, recipes = [], {}
         for name in request.methods:
             report, text = plan_method(ctx, PLANNED[name])
+            ui.info(method_summary(report))  # each method's result as it comes: a plan can take an hour
             methods.append(report)
             if text is not None:
                 recipes[f"{name}.yaml"] = text

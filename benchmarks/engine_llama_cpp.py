@@ -4,6 +4,8 @@
     python engine_llama_cpp.py greedy MODEL.gguf IDS.json N            # N greedy tokens after each prompt
     python engine_llama_cpp.py speed MODEL.gguf CONTEXT NEW THREADS [fa] # prefill and decode tokens/s at a depth
                                                                          # (fa: llama.cpp's flash attention on)
+    python engine_llama_cpp.py profile MODEL.gguf CONTEXT NEW THREADS PERF.data [fa]
+                                                  # the same, with Linux perf sampling the decode steps only
 
 Needs only numpy and llama_cpp. Prints one JSON line on stdout; llama.cpp's own log goes to stderr (the
 caller reads the KV cache size from it).
@@ -12,6 +14,9 @@ caller reads the KV cache size from it).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -55,16 +60,26 @@ def greedy(path: str, prompts: list[list[int]], new: int) -> dict:
     return {"tokens": generated}
 
 
-def speed(path: str, context: int, new: int, threads: int, flash: bool = False) -> dict:
+def speed(path: str, context: int, new: int, threads: int, flash: bool = False, perf_data: str | None = None) -> dict:
+    """Prefill ``context`` random tokens, then decode ``new`` greedy ones; with ``perf_data``, `perf record`
+    samples this process (call graphs included) during the decode steps alone."""
     model = load(path, context + new, logits_all=False, threads=threads, verbose=True, flash=flash)
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, model.n_vocab() - 100, size=context)]
     start = time.perf_counter()
     model.eval(prompt)
     prefill = time.perf_counter() - start
+    recorder = None
+    if perf_data is not None:
+        recorder = subprocess.Popen(["perf", "record", "-F", "499", "-g", "-p", str(os.getpid()), "-o", perf_data],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # perf attaches before the first decode step
     start = time.perf_counter()
     for _ in range(new):
         model.eval([next_token(model)])
     decode = time.perf_counter() - start
+    if recorder is not None:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait()
     return {"prefill_tokens_per_s": context / prefill, "decode_tokens_per_s": new / decode}
 
 
@@ -74,8 +89,10 @@ def main() -> None:
         result = window_logits(path, json.loads(open(sys.argv[3]).read()), sys.argv[4])
     elif mode == "greedy":
         result = greedy(path, json.loads(open(sys.argv[3]).read()), int(sys.argv[4]))
-    else:
+    elif mode == "speed":
         result = speed(path, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:] == ["fa"])
+    else:
+        result = speed(path, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[7:] == ["fa"], sys.argv[6])
     print(json.dumps(result), flush=True)
 
 

@@ -89,7 +89,9 @@ def test_plan_writes_a_report_with_its_schema_a_plot_and_runnable_recipes(tiny_c
     jsonschema.validate(report, json.loads((out / "plan.schema.json").read_text()))
     assert (out / "plan.png").stat().st_size > 0
     for method in report["methods"]:
-        assert len(method["anchors"]) == 2 and all(math.isfinite(a["ratio"]) for a in method["anchors"])
+        anchors = method["anchors"]  # the defaults, and the first choice when it was neither
+        assert len(anchors) in (2, 3) and all(math.isfinite(a["ratio"]) for a in anchors)
+        assert sum(a["fitted"] for a in anchors) == 2 and (len(anchors) == 2 or anchors[2]["predicted"] is not None)
         assert method["chosen"] is not None and method["measured_ratio"] is not None
         recipe = parse_recipe((out / f"{method['method']}.yaml").read_text())
         knob = {"loki": "top_k", "loki-variance": "variance"}.get(method["method"], "ratio")
@@ -129,3 +131,35 @@ def test_the_target_holds_for_the_worst_of_the_scored_texts(tiny_checkpoints, co
         assert set(anchor["ratios"]) == set(report["ppl_source"]) and anchor["ratio"] == max(anchor["ratios"].values())
     assert method["measured_ratio"] == max(method["measured_ratios"].values())
     assert "worst of" in result.output and "at worst over 128 tokens" in (out / "svdllm.yaml").read_text()
+
+
+def test_the_first_choice_is_converted_and_the_model_refitted_through_it(context, monkeypatch):
+    """A true curve the power law through the default anchors (0.25, 0.5) extrapolates badly: the first choice
+    is converted, the model is refitted through it and the default anchor across the target, and the final
+    prediction lands nearer the truth than the first one did."""
+    import dataclasses
+
+    from attnsurg.analyze import plan
+
+    def true_ratio(budget: float) -> float:
+        return math.exp(0.3 * (1 - budget) + 6 * (1 - budget) ** 4)
+
+    converted = []
+
+    def fake_ratios(ctx, method, budget):
+        converted.append(budget)
+        return {"text": true_ratio(budget)}
+
+    monkeypatch.setattr(plan, "measured_ratios", fake_ratios)
+    budgets = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
+    method = plan.PlannedMethod("synthetic", budgets, (0.25, 0.5), plan.lowrank_settings("svdllm"),
+                                lambda ctx, bs: [[1 - b, 0.0] for b in bs])
+    ctx = dataclasses.replace(context, request=context.request.model_copy(update={"target_ratio": 1.3, "verify": True}))
+    report, recipe = plan.plan_method(ctx, method)
+    first, nearer = report.anchors[0], report.anchors[2]
+    assert len(report.anchors) == 3 and nearer.predicted is not None and nearer.fitted
+    assert sum(a.fitted for a in report.anchors) == 2 and not first.fitted  # 0.25 is the far side of 0.5
+    assert abs(report.predicted_ratio / true_ratio(report.chosen) - 1) < abs(nearer.predicted / nearer.ratio - 1)
+    assert report.measured_ratio == pytest.approx(true_ratio(report.chosen)) and recipe is not None
+    if report.chosen_is_anchor:  # measured once, not again
+        assert converted.count(report.chosen) == 1

@@ -357,22 +357,30 @@ def worst(ratios: dict[str, float]) -> float:
 
 
 def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanReport, str | None]:
-    """Proxies, anchors, the fitted error model, the chosen budget (and its recipe text)."""
+    """Proxies, anchors, the fitted error model, the chosen budget (and its recipe text).
+
+    The error model is first fitted to the method's two default anchors. When the budget it chooses is not one
+    of them, that budget is converted too (its ``predicted`` ratio kept beside the measured one) and the model is
+    refitted through it and the default anchor across the target from it, so the final choice rests on the two
+    conversions nearest the decision."""
     with ui.status(f"Measuring the {method.name} error proxy at {len(method.budgets)} budgets..."):
         per_layer = method.proxy(ctx, method.budgets)
     proxies = [sum(layers) for layers in per_layer]
-    anchors = []
-    for budget in method.anchors:
-        proxy = proxies[method.budgets.index(budget)]
-        ratios = measured_ratios(ctx, method, budget)
-        anchors.append(Anchor(budget=budget, proxy=proxy, ratio=worst(ratios), ratios=ratios))
+    anchors = [measured_anchor(ctx, method, budget, proxies[method.budgets.index(budget)]) for budget in method.anchors]
     floor = None
     if method.floor_budget is not None:
         ratios = measured_ratios(ctx, method, method.floor_budget)
         floor = Anchor(budget=method.floor_budget, proxy=0.0, ratio=worst(ratios), ratios=ratios)
-    model = ErrorModel.through(*[(a.proxy, a.ratio) for a in anchors], floor=floor.ratio if floor else 1.0)
-    predicted = [model.ratio(p) for p in proxies]
-    chosen = smallest_within(method.budgets, predicted, ctx.request.target_ratio)
+    fitted = anchors
+    model, predicted, chosen = fitted_choice(ctx, proxies, method.budgets, fitted, floor)
+    if chosen is not None and chosen not in method.anchors:
+        nearer = measured_anchor(ctx, method, chosen, proxies[method.budgets.index(chosen)])
+        nearer.predicted = predicted[method.budgets.index(chosen)]
+        fitted = [nearer, partner(anchors, nearer, ctx.request.target_ratio)]
+        anchors = anchors + [nearer]
+        model, predicted, chosen = fitted_choice(ctx, proxies, method.budgets, fitted, floor)
+    for anchor in anchors:
+        anchor.fitted = anchor in fitted
     report = MethodPlanReport(method=method.name, budgets=list(method.budgets), proxies=proxies,
                               layer_proxies=per_layer, predicted=predicted, anchors=anchors, floor=floor,
                               scale=model.scale, power=model.power, chosen=chosen)
@@ -380,10 +388,33 @@ def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanRepo
         return report, None
     report.predicted_ratio = predicted[method.budgets.index(chosen)]
     if ctx.request.verify:
-        report.measured_ratios = measured_ratios(ctx, method, chosen)
+        at_anchor = next((a for a in anchors if a.budget == chosen), None)
+        report.chosen_is_anchor = at_anchor is not None
+        report.measured_ratios = at_anchor.ratios if at_anchor else measured_ratios(ctx, method, chosen)
         report.measured_ratio = worst(report.measured_ratios)
         report.relative_difference = report.measured_ratio / report.predicted_ratio - 1
     return report, recipe_text(ctx, method, chosen, report)
+
+
+def measured_anchor(ctx: PlanContext, method: PlannedMethod, budget: float, proxy: float) -> Anchor:
+    ratios = measured_ratios(ctx, method, budget)
+    return Anchor(budget=budget, proxy=proxy, ratio=worst(ratios), ratios=ratios)
+
+
+def fitted_choice(ctx: PlanContext, proxies: list[float], budgets: tuple[float, ...], anchors: list[Anchor],
+                  floor: Anchor | None) -> tuple[ErrorModel, list[float], float | None]:
+    """The error model through two anchors, its prediction at every budget, and the budget it chooses."""
+    model = ErrorModel.through(*[(a.proxy, a.ratio) for a in anchors], floor=floor.ratio if floor else 1.0)
+    predicted = [model.ratio(p) for p in proxies]
+    return model, predicted, smallest_within(budgets, predicted, ctx.request.target_ratio)
+
+
+def partner(defaults: list[Anchor], nearer: Anchor, target: float) -> Anchor:
+    """Of the default anchors, the one measured across the target from ``nearer`` (so the refit interpolates);
+    when both or neither are, the one nearest it in budget."""
+    across = [a for a in defaults if (a.ratio > target) != (nearer.ratio > target)]
+    pool = across if len(across) == 1 else defaults
+    return min(pool, key=lambda a: abs(a.budget - nearer.budget))
 
 
 def method_summary(report: MethodPlanReport) -> str:
@@ -391,7 +422,8 @@ def method_summary(report: MethodPlanReport) -> str:
         return f"{report.method}: no budget predicted within the target"
     line = f"{report.method}: budget {report.chosen:g}, predicted x{report.predicted_ratio:.3f}"
     if report.measured_ratio is not None:
-        line += f", measured x{report.measured_ratio:.3f} ({report.relative_difference:+.1%})"
+        line += f", measured x{report.measured_ratio:.3f}" + (" (an anchor)" if report.chosen_is_anchor
+                                                              else f" ({report.relative_difference:+.1%})")
     return line
 
 

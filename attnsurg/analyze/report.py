@@ -95,6 +95,9 @@ class Anchor(Strict):
     proxy: float = Field(description="The summed per-layer error proxy at this budget.")
     ratio: float = Field(description="Measured perplexity ratio to the source, the worst over the scored texts.")
     ratios: dict[str, float] = Field(default_factory=dict, description="The measured ratio on each scored text.")
+    predicted: float | None = Field(None, description="For the budget first chosen from the default anchors, then "
+                                                      "converted: the ratio predicted there before it was measured.")
+    fitted: bool = Field(True, description="Whether the final error model goes through this anchor.")
 
 
 class MethodPlanReport(Strict):
@@ -118,6 +121,8 @@ class MethodPlanReport(Strict):
                                                            "worst over the scored texts.")
     measured_ratios: dict[str, float] | None = Field(None, description="The chosen budget's ratio on each scored text.")
     relative_difference: float | None = Field(None, description="measured / predicted - 1.")
+    chosen_is_anchor: bool | None = Field(None, description="The chosen budget is an anchor: its measured ratio is "
+                                                            "the anchor's, which the error model passes through.")
 
 
 class PlanReport(Strict):

@@ -256,16 +256,26 @@ def plan_table(report) -> Table:
     for column in ("method", "anchors (budget: worst measured)", "error model", "budget", "predicted", "measured (worst)"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for m in report.methods:
-        anchors = ", ".join(f"{a.budget:g}: x{a.ratio:.3f}{worst_text(a.ratios, texts)}" for a in m.anchors)
+        anchors = ", ".join(anchor_text(a, texts) for a in m.anchors)
         model = f"ln r = {m.scale:.3g} e^{m.power:.2f}"
         if m.floor is not None:
             model = f"ln r = ln {m.floor.ratio:.3f} + {m.scale:.3g} e^{m.power:.2f}"
         chosen = "none" if m.chosen is None else f"{m.chosen:g}"
         predicted = "" if m.predicted_ratio is None else f"x{m.predicted_ratio:.3f}"
-        measured = "" if m.measured_ratio is None else (f"x{m.measured_ratio:.3f}{worst_text(m.measured_ratios, texts)} "
-                                                        f"({m.relative_difference:+.1%})")
+        measured = "" if m.measured_ratio is None else (
+            f"x{m.measured_ratio:.3f}{worst_text(m.measured_ratios, texts)} "
+            + ("(an anchor)" if m.chosen_is_anchor else f"({m.relative_difference:+.1%})"))
         table.add_row(m.method, anchors, model, chosen, predicted, measured)
     return table
+
+
+def anchor_text(anchor, texts: list[str]) -> str:
+    """'0.5: x1.293 code-sample', with the prediction made there before it was converted, and whether the final
+    error model goes through it."""
+    text = f"{anchor.budget:g}: x{anchor.ratio:.3f}{worst_text(anchor.ratios, texts)}"
+    if anchor.predicted is not None:
+        text += f" (predicted x{anchor.predicted:.3f})"
+    return text if anchor.fitted else f"{text} (not fitted)"
 
 
 def worst_text(ratios: dict[str, float] | None, texts: list[str]) -> str:

@@ -163,22 +163,3 @@ def test_the_first_choice_is_converted_and_the_model_refitted_through_it(context
     assert report.measured_ratio == pytest.approx(true_ratio(report.chosen)) and recipe is not None
     if report.chosen_is_anchor:  # measured once, not again
         assert converted.count(report.chosen) == 1
-
-
-def test_the_output_error_proxy_is_the_truncations_error_on_the_inputs():
-    """svd and asvd truncate in their own metric; the plan's proxy is their error on the calibration inputs."""
-    from attnsurg.methods.lowrank import Decomposition
-
-    generator = torch.Generator().manual_seed(0)
-    W = torch.randn(12, 20, generator=generator, dtype=torch.float64)
-    X = torch.randn(500, 20, generator=generator, dtype=torch.float64) * torch.linspace(0.1, 3, 20, dtype=torch.float64)
-    sigma = X.T @ X / len(X)
-    R = torch.diag(torch.linspace(0.5, 2, 20, dtype=torch.float64))  # asvd-like diagonal metric
-    U, S, Vh = torch.linalg.svd(W @ R, full_matrices=False)
-    decomposition = Decomposition(U, S, Vh, torch.linalg.inv(R), None, None)
-    errors = decomposition.output_errors(sigma)
-    for rank in (0, 3, 7, 12):
-        truncated = (U[:, :rank] * S[:rank]) @ Vh[:rank] @ torch.linalg.inv(R)
-        direct = ((X @ (W - truncated).T).pow(2).sum() / (X @ W.T).pow(2).sum()).item()
-        assert errors[rank].item() == pytest.approx(direct, rel=1e-9, abs=1e-12)
-    assert errors[0] == 1 and errors[-1] == 0 and bool((errors[1:] <= errors[:-1]).all())

@@ -133,12 +133,7 @@ def lowrank_proxy(method: str, allocate: bool = False) -> Callable[[PlanContext,
             uniform = uniform_ranks(units, budget, None, True)
             return allocated_ranks(units, [s.S for s in spectra], uniform) if allocate else uniform
 
-        if method == "svdllm":  # its own metric is the activations' (whitened) one, with consumer weights on top
-            errors = [lambda rank, s=s: s.relative_error(rank) for s in spectra]
-        else:  # svd and asvd truncate in another metric: their error on the calibration activations
-            tails = [s.output_errors(contexts[unit.layer].x.sigma[:-1, :-1]) for s, unit in zip(spectra, units, strict=True)]
-            errors = [lambda rank, t=t: float(t[rank]) for t in tails]
-        return [[error(rank) if rank is not None else 0.0 for error, rank in zip(errors, ranks_at(budget), strict=True)]
+        return [[s.relative_error(rank) if rank is not None else 0.0 for s, rank in zip(spectra, ranks_at(budget), strict=True)]
                 for budget in budgets]
     return proxy
 

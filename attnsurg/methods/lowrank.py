@@ -347,16 +347,6 @@ class Decomposition:
         energy = self.S.pow(2)
         return float((energy[rank:].sum() / energy.sum().clamp_min(1e-300)).detach())
 
-    def output_errors(self, sigma: torch.Tensor) -> torch.Tensor:
-        """At every rank r (index r), ||(W - W_r) x||^2 / ||W x||^2 averaged over inputs with second moment
-        ``sigma``: the truncation's error on the unit's outputs, whatever metric it was truncated in. With
-        W = sum_i s_i u_i v_i^T R^-1 and orthonormal u_i, the error is sum_{i>=r} s_i^2 w_i^T sigma w_i over
-        the same sum from 0, where w_i = R^-T v_i (before consumer weights)."""
-        directions = self.Vh @ self.R_inv  # rows w_i^T
-        energy = self.S.pow(2) * ((directions @ sigma) * directions).sum(-1)
-        tails = energy.flip(0).cumsum(0).flip(0)
-        return torch.cat([tails, tails.new_zeros(1)]) / tails[0].clamp_min(1e-300)
-
     def factors(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(down [r, n], up [m, r]) with the singular values split evenly between them."""
         root = self.S[:rank].sqrt()

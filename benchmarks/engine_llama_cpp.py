@@ -91,8 +91,10 @@ def main() -> None:
         result = greedy(path, json.loads(open(sys.argv[3]).read()), int(sys.argv[4]))
     elif mode == "speed":
         result = speed(path, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:] == ["fa"])
-    else:
+    elif mode == "profile":
         result = speed(path, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[7:] == ["fa"], sys.argv[6])
+    else:
+        sys.exit(f"unknown mode '{mode}': logits, greedy, speed or profile (see the docstring)")
     print(json.dumps(result), flush=True)
 
 

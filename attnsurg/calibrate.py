@@ -220,13 +220,17 @@ def check_finite(stats: list[InputStatistics], names: list[str] | None = None) -
                             "with `attnsurg eval perplexity MODEL`")
 
 
+def visible_keys(length: int, window: int | None = None, device=None) -> torch.Tensor:
+    """[L, L] bool: the keys each query attends to: causal, and within the last ``window`` tokens (itself
+    included) on a sliding layer."""
+    visible = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return visible if window is None else visible & ~torch.ones_like(visible).tril(-window)
+
+
 def causal_mask(length: int, window: int | None = None) -> torch.Tensor:
     """Additive [1, 1, L, L] causal mask, explicit so every attention implementation honours it; with a sliding
-    ``window``, each query sees only the last ``window`` tokens (itself included), as Mistral's layers do."""
-    blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
-    if window is not None:
-        blocked |= torch.ones(length, length, dtype=torch.bool).tril(-window)
-    return additive_mask(~blocked[None])
+    ``window`` (Mistral's layers, Gemma's sliding ones), only the keys ``visible_keys`` shows."""
+    return additive_mask(visible_keys(length, window)[None])
 
 
 def additive_mask(visible: torch.Tensor) -> torch.Tensor:

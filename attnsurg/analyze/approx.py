@@ -16,14 +16,11 @@ from collections.abc import Callable
 import torch
 
 from attnsurg.analyze.sparsity import attention_probabilities
+from attnsurg.calibrate import visible_keys
 
 BUDGETS = (1 / 16, 1 / 8, 1 / 4)
 LSH_ROUNDS = 2  # hash rounds whose buckets a query may attend in (Reformer, sec. 3)
 LOKI_RANK_SHARE = 1 / 4  # Loki scores keys with this share of the head dim
-
-
-def causal_mask(length: int) -> torch.Tensor:
-    return torch.ones(length, length, dtype=torch.bool).tril()
 
 
 def exact_attention(q, k, v, scale) -> torch.Tensor:
@@ -118,7 +115,7 @@ def lsh(q, k, v, scale, budget: float, generator: torch.Generator | None = None)
     them; here they are the model's own Q and K)."""
     generator = generator or torch.Generator().manual_seed(0)
     buckets = max(1, round(LSH_ROUNDS / budget)) if budget < 1 else 1
-    allowed = causal_mask(len(q))
+    allowed = visible_keys(len(q))
     if buckets > 1:
         buckets += buckets % 2
         same = torch.zeros_like(allowed)
@@ -138,10 +135,10 @@ def keep_counts(length: int, budget: float) -> torch.Tensor:
 def attend_top(scores_for_selection: torch.Tensor, q, k, v, scale, budget: float) -> torch.Tensor:
     """Exact attention over each query's budget x context keys ranked best by ``scores_for_selection``."""
     length = len(q)
-    ranking = scores_for_selection.masked_fill(~causal_mask(length), float("-inf"))
+    ranking = scores_for_selection.masked_fill(~visible_keys(length), float("-inf"))
     keep = keep_counts(length, budget)
     threshold = ranking.sort(-1, descending=True).values.gather(-1, (keep - 1)[:, None])
-    scores = ((q @ k.T) * scale).masked_fill((ranking < threshold) | ~causal_mask(length), float("-inf"))
+    scores = ((q @ k.T) * scale).masked_fill((ranking < threshold) | ~visible_keys(length), float("-inf"))
     return torch.softmax(scores, -1) @ v
 
 

@@ -367,10 +367,7 @@ def plan_method(ctx: PlanContext, method: PlannedMethod) -> tuple[MethodPlanRepo
         per_layer = method.proxy(ctx, method.budgets)
     proxies = [sum(layers) for layers in per_layer]
     anchors = [measured_anchor(ctx, method, budget, proxies[method.budgets.index(budget)]) for budget in method.anchors]
-    floor = None
-    if method.floor_budget is not None:
-        ratios = measured_ratios(ctx, method, method.floor_budget)
-        floor = Anchor(budget=method.floor_budget, proxy=0.0, ratio=worst(ratios), ratios=ratios)
+    floor = None if method.floor_budget is None else measured_anchor(ctx, method, method.floor_budget, 0.0)
     fitted = anchors
     model, predicted, chosen = fitted_choice(ctx, proxies, method.budgets, fitted, floor)
     if chosen is not None and chosen not in method.anchors:

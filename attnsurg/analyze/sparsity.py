@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from attnsurg.calibrate import visible_keys
+
 TOP_SHARES = (0.01, 0.05, 0.1)
 MIN_CONTEXT = 16  # queries that see fewer keys say little about sparsity (their top 1% is one key)
-
-
-def visible_keys(length: int, window: int | None = None, device=None) -> torch.Tensor:
-    """[L, L] bool: the keys each query attends to: causal, and within the last ``window`` tokens on a sliding
-    layer."""
-    visible = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    return visible if window is None else visible & ~torch.ones_like(visible).tril(-window)
 
 
 def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, window: int | None = None,

@@ -239,18 +239,19 @@ def additive_mask(visible: torch.Tensor) -> torch.Tensor:
 
 
 def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked: tuple[str, ...],
-                    device: torch.device | None = None):
-    """Each decoder layer read alone (``io.lazy``) and run over the residual stream of every window ([n, L, D],
-    float32, from the embeddings), one layer in memory at a time: yields ``(index, layer, statistics)``, the
-    ``InputStatistics`` of each ``hooked`` submodule over the windows, after the layer has advanced the stream.
-    With ``device``, the stream and each layer's pass live there; the layer is yielded back on the CPU."""
+                    device: torch.device | None = None, start: int = 0):
+    """Each decoder layer from ``start`` on, read alone (``io.lazy``) and run over the residual stream of every
+    window ([n, L, D], float32: layer ``start``'s input, the embeddings from the first), one layer in memory at a
+    time: yields ``(index, layer, statistics, stream)``, the ``InputStatistics`` of each ``hooked`` submodule over
+    the windows and the stream the layer has advanced. With ``device``, the stream and each layer's pass live
+    there; the layer is yielded back on the CPU."""
     from attnsurg.io.lazy import load_layer, rotary_embedding
     from attnsurg.modeling.modeling_attnsurg import layer_window
     from attnsurg.placement import on_device
 
     stream = stream.to(device or stream.device)
     rope = rotary_embedding(config).to(stream.device)(stream[:1], torch.arange(stream.shape[1], device=stream.device)[None])
-    for index in range(config.num_hidden_layers):
+    for index in range(start, config.num_hidden_layers):
         mask = causal_mask(stream.shape[1], layer_window(config, index)).to(stream.device)
         layer = load_layer(reader, config, index, prefix=family.layers_path)
         stats = {name: InputStatistics() for name in hooked}
@@ -264,7 +265,7 @@ def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked
             for handle in handles:
                 handle.remove()
         check_finite([stats[name] for name in hooked], [f"layer {index} {name}" for name in hooked])
-        yield index, layer, [stats[name] for name in hooked]
+        yield index, layer, [stats[name] for name in hooked], stream
 
 
 @torch.no_grad()
@@ -274,4 +275,4 @@ def streamed_input_statistics(reader, config, family: Family, windows: torch.Ten
     one layer in memory at a time (``streamed_layers``). Equals ``input_statistics`` on the loaded model."""
     embeddings = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")
     return [[s.offloaded() for s in stats]
-            for _, _, stats in streamed_layers(reader, config, family, embeddings[windows].float(), hooked, device)]
+            for _, _, stats, _ in streamed_layers(reader, config, family, embeddings[windows].float(), hooked, device)]

@@ -26,7 +26,7 @@ from attnsurg.methods.headtensor import (
 from attnsurg.methods.loki import LokiPlan, apply_loki, plan_loki
 from attnsurg.methods.stacked_tucker import StackedTuckerPlan, compress_stacked_tucker, plan_stacked_tucker
 from attnsurg.io.lazy import CheckpointReader
-from attnsurg.io.save import staged_checkpoint
+from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
 from attnsurg.methods.lowrank_stream import compress_streamed
 from attnsurg.modeling import MODELING_FILE
@@ -139,11 +139,13 @@ def run_streamed(request: CompressLowRank, source, anatomy: AttentionAnatomy, re
     """Compress with one source layer in memory at a time (``lowrank_stream``), written straight into the staged
     output in the source's dtype. Nothing is scored: that would load both models whole."""
     surgery, config, dtype = start_streamed(request, source, anatomy, recipe)
-    with staged_checkpoint(request.output, request.overwrite) as staging:
+    fingerprint = settings_fingerprint(recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows, Path(source.path))
+    with resumable_checkpoint(request.output, request.overwrite, fingerprint) as checkpoints:
+        staging = checkpoints.directory
         with ui.progress_bar(f"Factorizing ({request.method}, streamed)", total=anatomy.num_layers, unit="layers") as advance:
             written, report.errors = compress_streamed(
                 CheckpointReader(Path(source.path)), config, surgery.family, surgery.windows, report.plan, staging,
-                dtype, STREAM_SHARD_SIZE, advance, surgery.device)
+                dtype, STREAM_SHARD_SIZE, advance, surgery.device, checkpoints)
         report.factorize_seconds = time.perf_counter() - surgery.started
         finish_streamed(staging, written, source, surgery, lowrank_card(request, report), recipe,
                         {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")})

@@ -16,7 +16,7 @@ from attnsurg.heal import HealReport
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.lazy import CheckpointReader
-from attnsurg.io.save import staged_checkpoint
+from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.mla import (
     REFINE_STEP_QUERIES,
     REFINE_STEP_TOKENS,
@@ -156,12 +156,14 @@ def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report:
     if request.short_prompts:
         raise UserError("--short-prompts is not available with --stream yet; drop one of them")
     surgery, config, dtype = start_streamed(request, source, anatomy, recipe)
-    with staged_checkpoint(request.output, request.overwrite) as staging:
+    fingerprint = settings_fingerprint(recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows, Path(source.path))
+    with resumable_checkpoint(request.output, request.overwrite, fingerprint) as checkpoints:
+        staging = checkpoints.directory
         with ui.progress_bar("Converting layers (streamed)", total=report.plan.num_layers, unit="layers") as advance:
             written, report.layer_errors = convert_streamed(
                 CheckpointReader(Path(source.path)), config, surgery.family, surgery.windows,
                 report.plan, staging, request.weighted, refinement_of(request), dtype, STREAM_SHARD_SIZE, advance,
-                surgery.device)
+                surgery.device, checkpoints)
         report.convert_seconds = time.perf_counter() - surgery.started
         finish_streamed(staging, written, source, surgery, mla_card(request, report), recipe)
     report.written = str(request.output)

@@ -58,6 +58,18 @@ class ShardWriter:
             save_file(self.waiting.pop(filename), self.directory / filename, metadata={"format": "pt"})
             self.written.append(filename)
 
+    def progress(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """The shard files written so far and the tensors waiting for the rest of their shard."""
+        return list(self.written), {name: t for waiting in self.waiting.values() for name, t in waiting.items()}
+
+    def restore(self, written: list[str], pending: dict[str, torch.Tensor]) -> None:
+        """Continue from an earlier writer's ``progress()`` (its shards already on disk)."""
+        for filename in written:
+            self.waiting.pop(filename)
+            self.written.append(filename)
+        for name, tensor in pending.items():
+            self.add(name, tensor)
+
     def finish(self) -> list[str]:
         """Write the index (when sharded); every planned tensor must have been added."""
         missing = sorted(name for filename, waiting in self.waiting.items() for name in self.members[filename] - set(waiting))

@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import streamed_layers
 from attnsurg.io.lazy import CheckpointReader, rotary_embedding
+from attnsurg.io.resume import LayerCheckpoints, start_stream
 from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.factorized import attnsurg_config
 from attnsurg.methods.lowrank import LayerContext, LowRankPlan, decompose, unit_state
@@ -37,27 +38,25 @@ def compress_streamed(
     max_shard_size: int | str = "5GB",
     progress=None,
     device: torch.device | None = None,
+    checkpoints: LayerCheckpoints | None = None,
 ) -> tuple[PretrainedConfig, list[float]]:
     """Write the compressed model's weights into ``output`` (shards and index; the caller adds config and
-    tokenizer); return its config and each unit's relative truncation energy."""
+    tokenizer); return its config and each unit's relative truncation energy. ``checkpoints``: a checkpoint
+    after every layer, and the run resumes from the last one they hold (``io.resume``)."""
     if plan.allocate:
         raise ValueError("allocated ranks need every layer's spectrum first; stream with uniform ranks")
     config = attnsurg_config(source_config, plan.surgery(family))
     config.dtype = str(dtype).removeprefix("torch.")
     writer = ShardWriter(output, planned_tensors(CLASSES[source_config.model_type][1], config, dtype), max_shard_size)
-    top = family.layers_path.rsplit(".", 1)[0]  # "model"
-    embed = reader.tensor(f"{top}.embed_tokens.weight")
-    stream = embed[windows].float()
-    writer.add(f"{top}.embed_tokens.weight", embed)
-    del embed
-    writer.add(f"{top}.norm.weight", reader.tensor(f"{top}.norm.weight", dtype))
-    if not config.tie_word_embeddings:
-        head = "lm_head.weight" if "lm_head.weight" in reader.weight_map else f"{top}.embed_tokens.weight"
-        writer.add("lm_head.weight", reader.tensor(head, dtype))
+    start = start_stream(reader, family.layers_path.rsplit(".", 1)[0], windows, writer, dtype, config.tie_word_embeddings,
+                         checkpoints, config.num_hidden_layers)
+    if progress and start.layer:
+        progress(start.layer)
     inv_freq = rotary_embedding(source_config).inv_freq
-    errors = []
+    errors = list(start.errors)
     hooked = (family.attention_attr, f"{family.attention_attr}.{family.o_proj}")
-    for index, layer, (x, o) in streamed_layers(reader, source_config, family, stream, hooked, device):
+    for index, layer, (x, o), stream in streamed_layers(reader, source_config, family, start.stream, hooked, device,
+                                                        start.layer):
         context = LayerContext(getattr(layer, family.attention_attr), x.offloaded(), o.offloaded(), inv_freq,
                                source_config.num_attention_heads, source_config.num_key_value_heads, windows.shape[1])
         replaced: dict[str, dict[str, torch.Tensor]] = {}
@@ -71,6 +70,8 @@ def compress_streamed(
             replaced.update(unit_state(unit, family, *decomposition.factors(rank), decomposition.bias))
             errors.append(decomposition.relative_error(rank))
         write_layer(writer, f"{family.layers_path}.{index}.", layer, replaced)
+        if checkpoints:
+            checkpoints.save(index + 1, {"stream": stream}, writer, errors)
         if progress:
             progress()
     writer.finish()

@@ -927,6 +927,13 @@ class SequentialRefiner:
         self.stream = self.original.clone()
         self.layout = tuple(t.to(self.device) for t in window_layout(*embeddings.shape[:2], starts))
 
+    def carried(self) -> dict[str, torch.Tensor]:
+        """Both residual streams as the next layer receives them, to resume from (``io.resume``)."""
+        return {"original": self.original, "converted": self.stream}
+
+    def resume(self, carried: dict[str, torch.Tensor]) -> None:
+        self.original, self.stream = carried["original"].to(self.device), carried["converted"].to(self.device)
+
     @torch.no_grad()
     def refine(self, index: int, layer: torch.nn.Module, w: MLAWeights, settings: Refinement,
                alternatives: Sequence[MLAWeights] = ()) -> tuple[MLAWeights, LayerError]:

@@ -19,6 +19,7 @@ from transformers import DeepseekV3ForCausalLM, PretrainedConfig
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import streamed_layers
 from attnsurg.io.lazy import CheckpointReader, rotary_embedding
+from attnsurg.io.resume import LayerCheckpoints, start_stream
 from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.mla import (
     HELD_OUT_SHARE, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state,
@@ -40,39 +41,41 @@ def convert_streamed(
     max_shard_size: int | str = "5GB",
     progress=None,
     device: torch.device | None = None,
+    checkpoints: LayerCheckpoints | None = None,
 ) -> tuple[PretrainedConfig, list[LayerError]]:
     """Write the converted model's weights into ``output`` (shards and index; the caller adds config and
     tokenizer) and return its config and each refined layer's errors. ``device``: where the calibration stream
-    and refinement run, one layer there at a time."""
+    and refinement run, one layer there at a time. ``checkpoints``: a checkpoint after every layer, and the
+    run resumes from the last one they hold (``io.resume``)."""
     rotary = rotary_embedding(source_config)
     config = deepseek_config(source_config, plan, rotary.inv_freq)
     config.dtype = str(dtype).removeprefix("torch.")
     fitted = deepseek_config(source_config, plan.fitted, rotary.inv_freq)
     fitted._attn_implementation = "sdpa"
     writer = ShardWriter(output, planned_tensors(DeepseekV3ForCausalLM, config, dtype), max_shard_size)
-    top = family.layers_path.rsplit(".", 1)[0]  # "model"
-    embed = reader.tensor(f"{top}.embed_tokens.weight")  # as stored: no float32 copy of the vocabulary
-    stream = embed[windows].float()  # the original model's residual stream on every calibration window
-    writer.add(f"{top}.embed_tokens.weight", embed)  # cast to dtype by the writer
-    del embed
-    writer.add(f"{top}.norm.weight", reader.tensor(f"{top}.norm.weight", dtype))
-    if not config.tie_word_embeddings:
-        head = "lm_head.weight" if "lm_head.weight" in reader.weight_map else f"{top}.embed_tokens.weight"
-        writer.add("lm_head.weight", reader.tensor(head, dtype))
+    start = start_stream(reader, family.layers_path.rsplit(".", 1)[0], windows, writer, dtype, config.tie_word_embeddings,
+                         checkpoints, config.num_hidden_layers)
+    if progress and start.layer:
+        progress(start.layer)
     refinement = refinement if refinement and refinement.steps else None
     refiner = None
     if refinement:
         keep = min(len(windows), max(1, refinement.tokens // windows.shape[1]))
         held_out = min(len(windows) - keep, math.ceil(keep * HELD_OUT_SHARE))
-        refiner = SequentialRefiner(rotary, family, stream[: keep + held_out].clone(), fitted, held_out, device=device)
-    errors = []
+        refiner = SequentialRefiner(rotary, family, start.stream[: keep + held_out].clone(), fitted, held_out, device=device)
+        if start.carried:
+            refiner.resume(start.carried)
+    errors = [LayerError(*error) for error in start.errors]
     hooked = (family.attention_attr,)
-    for index, layer, (statistics,) in streamed_layers(reader, source_config, family, stream, hooked, device):
+    for index, layer, (statistics,), stream in streamed_layers(reader, source_config, family, start.stream, hooked,
+                                                               device, start.layer):
         weights = fit_layer(getattr(layer, family.attention_attr), statistics.sigma, plan, weighted, statistics.sigma_first)
         if refiner:
             weights, error = refiner.refine(index, layer, weights, refinement, closed_form_alternatives(weights, plan))
             errors.append(error)
         write_layer(writer, f"{family.layers_path}.{index}.", layer, family, weights, plan, dtype)
+        if checkpoints:
+            checkpoints.save(index + 1, {"stream": stream, **(refiner.carried() if refiner else {})}, writer, errors)
         if progress:
             progress(note=f"layer error {errors[-1].before:.3f} -> {errors[-1].after:.3f}" if errors else "")
     writer.finish()

@@ -43,6 +43,23 @@ def test_full_budget_is_exact_when_one_kv_head_holds_all_rope():
     assert converted_error(model, plan, ids, refine_steps=10) < 1e-4  # refinement never leaves an exact fit
 
 
+def test_query_moment_at_head_width_equals_the_sum_over_the_expanded_query_rows():
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
+    attention = model.model.layers[0].self_attn
+    D, d, group = model.config.hidden_size, plan.head_dim, plan.num_heads // plan.num_kv_heads
+    x = torch.randn(500, D + 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    sigma = x.T @ x / len(x)
+    Wq = mla.augmented(attention.q_proj.weight, attention.q_proj.bias).detach()
+    Wk = mla.augmented(attention.k_proj.weight, attention.k_proj.bias).detach()
+    bases = mla.rorope_bases(Wk, sigma, plan.num_kv_heads, d)
+    _, nope = mla.split_components(plan)
+    expanded = [torch.stack([bases[i][j, h // group] * Wq[mla.frequency_rows(h, i, d)[c]] for j, i, c in nope])
+                for h in range(plan.num_heads)]
+    direct = sum(Q @ sigma @ Q.T for Q in expanded)
+    torch.testing.assert_close(mla.query_moment(Wq, sigma, bases, nope, plan), direct, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("fmt,kv_heads", [("native", 6), ("exact", 6), ("native", 3)])
 def test_per_head_no_rope_keys_equal_the_shared_one_with_fewer_parameters(fmt, kv_heads):
     """Each head's no-RoPE score read through its own head_dim query rows (``head_nope_keys``) is the score the

@@ -388,11 +388,27 @@ def latent_factors(M: torch.Tensor, sigma: torch.Tensor, S: torch.Tensor | None,
     return top.T @ root @ M, inverse_root @ top  # A: [r, D+1], B: [n, r]
 
 
-def consumer_weight(Q_nope: list[torch.Tensor], Wo: torch.Tensor, sigma, plan: MLAPlan, C: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal weight: query second moment for the no-RoPE key, W_o^T W_o per group for values."""
+def query_moment(Wq: torch.Tensor, sigma: torch.Tensor, bases: list[torch.Tensor], nope: list, plan: MLAPlan) -> torch.Tensor:
+    """sum_h Q_h sigma Q_h^T over each head's no-RoPE query rows Q_h. Row (j, i, c) of Q_h is U_i[j, g(h)] times
+    the head's own query row at frequency i (``head_nope_keys``), so Q_h = T_h W_h with W_h the head's d rows:
+    each head's moment is taken at head width, T_h (W_h sigma W_h^T) T_h^T, not at the key's (G times wider)."""
+    d, H, group = plan.head_dim, plan.num_heads, plan.num_heads // plan.num_kv_heads
+    position = torch.tensor([i + c * (d // 2) for _, i, c in nope], dtype=torch.long)
+    projected = Wq @ sigma
+    moment = torch.zeros(len(nope), len(nope), dtype=torch.float64)
+    for h in range(H):
+        head = slice(h * d, (h + 1) * d)
+        per_head = (projected[head] @ Wq[head].T)[position][:, position]
+        mix = torch.tensor([float(bases[i][j, h // group]) for j, i, _ in nope], dtype=torch.float64)
+        moment += mix[:, None] * per_head * mix[None, :]
+    return moment
+
+
+def consumer_weight(S_k: torch.Tensor, Wo: torch.Tensor, plan: MLAPlan, C: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal weight: the no-RoPE queries' second moment ``S_k`` (``query_moment``) for the no-RoPE key,
+    W_o^T W_o per group for values."""
     d, G, H = plan.head_dim, plan.num_kv_heads, plan.num_heads
     n_k = plan.nope_key_dim
-    S_k = sum(Q @ sigma @ Q.T for Q in Q_nope)
     S_v = torch.zeros(G * d, G * d, dtype=torch.float64)
     for h in range(H):
         g = h // (H // G)
@@ -449,7 +465,7 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
 
     M = torch.cat([K_nope, Wv])  # z = [no-RoPE key; values] = M x~
     C = M @ sigma @ M.T
-    S = consumer_weight(Q_nope, Wo, sigma, plan, C) if weighted else None
+    S = consumer_weight(query_moment(Wq, sigma, bases, nope, plan), Wo, plan, C) if weighted else None
     A, B = latent_factors(M, sigma, S, r)
     n_k = plan.nope_key_dim
     B_k, B_v = B[:n_k], B[n_k:]

@@ -158,3 +158,17 @@ def test_kill_9_mid_run_keeps_the_finished_layers_a_second_run_waits_its_turn_an
     assert "resuming at layer 1 of" in result.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
+
+def test_a_run_stopped_before_its_first_layer_is_done_leaves_nothing(tiny_checkpoints, corpus_file, tmp_path, monkeypatch):
+    import attnsurg.io.resume as resume
+
+    def fail(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(resume.LayerCheckpoints, "save", fail)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["compress", str(tiny_checkpoints["qwen2"]), *STREAM_TINY, "--calib-text",
+                                      str(corpus_file), "-o", str(out)])
+    assert result.exit_code != 0 and "resume" not in result.stderr
+    assert list(tmp_path.iterdir()) == []

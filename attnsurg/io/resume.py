@@ -118,7 +118,8 @@ class LayerCheckpoints:
 def resumable_checkpoint(out: Path, overwrite: bool, fingerprint: str) -> Iterator[LayerCheckpoints]:
     """The state directory of a streamed run writing ``out``: resumed when it holds this run's checkpoint,
     emptied when it holds nothing usable, refused when it holds another run's (unless ``overwrite``). On
-    success it is completed by the caller, then renamed to ``out``; on failure it stays, to be resumed."""
+    success it is completed by the caller, then renamed to ``out``; on failure it stays, to be resumed, when
+    it holds a finished layer."""
     out = Path(out)
     check_output_path(out, overwrite)
     directory = state_directory(out)
@@ -133,20 +134,27 @@ def resumable_checkpoint(out: Path, overwrite: bool, fingerprint: str) -> Iterat
             empty_except(directory, LOCK_FILE)
         try:
             yield checkpoints
-            checkpoints.clear()
-            share_as_umask_allows(directory)
-            replace_directory(directory, out)
-        except (OSError, SafetensorError) as exc:
-            code = write_failure(exc)
-            if code is not None:
-                raise UserError(f"could not write '{out}': {os.strerror(code)} (the finished layers are kept in "
-                                f"'{directory}'; free space and run the same command again to resume)") from exc
+        except BaseException as exc:
+            stopped(exc, checkpoints, out)
             raise
-        except BaseException:
-            if checkpoints.path.is_file():
-                ui.warn(f"stopped; the finished layers are kept in '{directory}': run the same command again to "
-                        "resume from there")
-            raise
+        share_as_umask_allows(directory)
+        replace_directory(directory, out)  # the checkpoint goes last: a failed rename can still be resumed
+        LayerCheckpoints(out, fingerprint).clear()
+
+
+def stopped(exc: BaseException, checkpoints: LayerCheckpoints, out: Path) -> None:
+    """A run that failed or was stopped keeps its state when a layer was finished (and says so), else none."""
+    kept = checkpoints.path.is_file()
+    if not kept:  # not one layer finished: nothing worth resuming
+        shutil.rmtree(checkpoints.directory, ignore_errors=True)
+    where = (f"the finished layers are kept in '{checkpoints.directory}'; run the same command again to resume"
+             if kept else "nothing was left at that path")
+    code = write_failure(exc) if isinstance(exc, (OSError, SafetensorError)) else None
+    if code is not None:
+        raise UserError(f"could not write '{out}': {os.strerror(code)} ({where}; free space or choose another "
+                        "output)") from exc
+    if kept:
+        ui.warn(f"stopped; {where}")
 
 
 @contextmanager

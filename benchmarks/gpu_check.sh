@@ -3,7 +3,9 @@
 #   1. the CUDA tests (tests/test_placement.py: statistics and the MLA conversion on cuda equal the CPU's);
 #   2. the demo conversion (convert smollm2-135m --to mla) on cuda and on cpu: time and ppl side by side;
 #   3. an 8B-shaped streamed conversion and svdllm compression of 2 layers on cuda (benchmarks/scale.py);
-#   4. healing throughput in bf16 on cuda (tokens/s from the heal report).
+#   4. healing throughput in bf16 on cuda (tokens/s from the heal report);
+#   5. the same heal under FSDP (accelerate launch --use_fsdp, one process per GPU): accelerate turns FSDP on only
+#      for GPU process groups (ACCELERATE_USE_FSDP leaves CPU processes as MULTI_CPU), so this is its only run.
 # Every result goes to ${OUT:-out/gpu_check}; run from the repository root after the README's set-up.
 set -euo pipefail
 OUT=${OUT:-out/gpu_check}
@@ -37,3 +39,9 @@ echo "== 4. healing throughput, bf16 on cuda"
 python -m attnsurg --quiet heal "$OUT/mla-50-cuda" --teacher smollm2-135m --tokens 65536 --seq-len 1024 \
   --device cuda -o "$OUT/healed" --overwrite --json > "$OUT/heal.json"
 python -c "import json; r = json.load(open('$OUT/heal.json')); h = r['heal']; print('heal:', h['tokens_per_second'], 'tokens/s,', h['steps'], 'steps')"
+
+echo "== 5. healing under FSDP (one process per GPU)"
+accelerate launch --use_fsdp --fsdp_version 2 --num_processes "$(nvidia-smi -L | wc -l)" -m attnsurg --quiet heal \
+  "$OUT/mla-50-cuda" --teacher smollm2-135m --tokens 16384 --seq-len 1024 --device cuda -o "$OUT/healed-fsdp" \
+  --overwrite --json > "$OUT/heal-fsdp.json"
+python -c "import json; r = json.load(open('$OUT/heal-fsdp.json')); h = r['heal']; print('heal under FSDP:', h['tokens_per_second'], 'tokens/s,', h['steps'], 'steps')"

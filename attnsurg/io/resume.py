@@ -73,6 +73,7 @@ class LayerCheckpoints:
     def __init__(self, directory: Path, fingerprint: str):
         self.directory, self.fingerprint = Path(directory), fingerprint
         self.path = self.directory / CHECKPOINT_FILE
+        self.synced: set[str] = set()  # shard files already flushed to disk
 
     def stored_fingerprint(self) -> str | None:
         if not self.path.is_file():
@@ -105,9 +106,15 @@ class LayerCheckpoints:
         tensors = {CARRIED + name: t.detach().cpu().contiguous() for name, t in carried.items()}
         tensors.update({PENDING + name: t for name, t in pending.items()})
         progress = {"fingerprint": self.fingerprint, "next_layer": next_layer, "errors": errors, "written": written}
+        for name in written:  # on disk before a checkpoint names them, should the machine go down
+            if name not in self.synced:
+                synced_to_disk(self.directory / name)
+                self.synced.add(name)
         staging = self.path.with_suffix(".tmp")
         save_file(tensors, staging, metadata={"progress": json.dumps(progress)})
+        synced_to_disk(staging)
         os.replace(staging, self.path)
+        synced_to_disk(self.directory)
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -155,6 +162,15 @@ def stopped(exc: BaseException, checkpoints: LayerCheckpoints, out: Path) -> Non
                         "output)") from exc
     if kept:
         ui.warn(f"stopped; {where}")
+
+
+def synced_to_disk(path: Path) -> None:
+    """Flush a file's (or a directory's entries') writes to the disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 @contextmanager

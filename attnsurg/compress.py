@@ -134,10 +134,10 @@ def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None 
 STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard is complete
 
 
-def run_streamed(request: CompressLowRank, source, anatomy: AttentionAnatomy, report: CompressReport,
+def run_streamed(request: CompressLowRank | CompressLoki, source, anatomy: AttentionAnatomy, report: CompressReport,
                  recipe: Recipe) -> CompressReport:
-    """Compress with one source layer in memory at a time (``lowrank_stream``), written straight into the staged
-    output in the source's dtype. Nothing is scored: that would load both models whole."""
+    """Compress (low-rank or Loki) with one source layer in memory at a time (``lowrank_stream``), written
+    straight into the staged output in the source's dtype. Nothing is scored: that would load both models whole."""
     surgery, config, dtype = start_streamed(request, source, anatomy, recipe)
     fingerprint = settings_fingerprint(recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows, Path(source.path))
     with resumable_checkpoint(request.output, request.overwrite, fingerprint) as checkpoints:
@@ -147,7 +147,8 @@ def run_streamed(request: CompressLowRank, source, anatomy: AttentionAnatomy, re
                 CheckpointReader(Path(source.path)), config, surgery.family, surgery.windows, report.plan, staging,
                 dtype, STREAM_SHARD_SIZE, advance, surgery.device, checkpoints)
         report.factorize_seconds = time.perf_counter() - surgery.started
-        finish_streamed(staging, written, source, surgery, lowrank_card(request, report), recipe,
+        card = loki_card(request, report) if isinstance(report.plan, LokiPlan) else lowrank_card(request, report)
+        finish_streamed(staging, written, source, surgery, card, recipe,
                         {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")})
     report.written = str(request.output)
     report.seconds = time.perf_counter() - surgery.started

@@ -72,7 +72,32 @@ def test_compress_stream_writes_the_checkpoint_compress_writes(tiny_checkpoints,
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)
     assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
-    loki = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "loki", "--rank", "8", "--top-k", "0.25"]
-    for args, fragment in ((common + ["--allocate"], "--allocate"), (loki, "--stream does not apply")):
+    tucker = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "tucker", "--ratio", "0.5"]
+    for args, fragment in ((common + ["--allocate"], "--allocate"), (tucker, "--stream does not apply")):
         refused = runner.invoke(app, args + ["--stream", "-o", str(tmp_path / "never")])
         assert refused.exit_code == 2 and fragment in refused.output and not (tmp_path / "never").exists(), refused.output
+
+
+@pytest.mark.parametrize("budget", [["--rank", "8"], ["--variance", "0.9"]])
+def test_loki_stream_writes_the_bases_and_ranks_loki_writes(budget, tiny_checkpoints, corpus_file, tmp_path):
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    common = ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "loki", *budget, "--top-k", "0.25",
+              "--calib-text", str(corpus_file), "--calib-tokens", "512", "--calib-seq-len", "64", "--eval-tokens", "0"]
+    for name, extra in (("loaded", []), ("streamed", ["--stream"])):
+        result = CliRunner().invoke(app, common + extra + ["-o", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+    loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
+    assert streamed.config.attnsurg == loaded.config.attnsurg
+    with safe_open(tmp_path / "streamed" / "model.safetensors", "pt") as f:
+        bases = [name for name in f.keys() if name.endswith("loki_basis")]
+        assert len(bases) == loaded.config.num_hidden_layers
+        for name in bases:
+            torch.testing.assert_close(f.get_tensor(name), loaded.state_dict()[name], rtol=1e-5, atol=1e-5)
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)
+    assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")

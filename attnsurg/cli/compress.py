@@ -79,7 +79,7 @@ def compress(
                            "across heads and projections (TensorLLM); --ranks head_dim,hidden.")
     ] = False,
     stream: Annotated[
-        bool, typer.Option("--stream", help="svd, asvd, svdllm: one source layer in memory at a time, written "
+        bool, typer.Option("--stream", help="svd, asvd, svdllm, loki: one source layer in memory at a time, written "
                            "straight to the output (models larger than memory; needs a local safetensors directory; "
                            "uniform ranks; nothing scored).")
     ] = False,
@@ -129,12 +129,11 @@ def compress(
         from attnsurg.methods.loki import parse_top_k
 
         reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--ratio": ratio is not None, "--stacked": stacked,
-                                "--stream": stream,
                                 "--ranks": ranks is not None, "--targets": targets != "q,k,v,o",
                                 "--weighted/--unweighted": weighted is not None})
         common.pop("targets"), common.pop("ratio")
         parsed = parse_top_k(top_k) if top_k is not None else None
-        request = CompressLoki(**common, rank=rank, variance=variance, top_k=parsed, basis=basis)
+        request = CompressLoki(**common, rank=rank, variance=variance, top_k=parsed, basis=basis, stream=stream)
         execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output, device)
         return
     if top_k is not None or basis != "post-rope" or variance is not None:

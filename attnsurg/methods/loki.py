@@ -14,7 +14,7 @@ model is the original. The attention keeps the family's query scale, score soft-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -132,12 +132,23 @@ def apply_loki(source: PreTrainedModel, family: Family, stats: list[InputStatist
     ranks = []
     for index, (layer, x) in enumerate(zip(layers, stats)):
         attn = getattr(layer, family.attention_attr)
-        inv_freq = layer_inv_freq(rotary, source.config, index)
-        bases, energies = key_bases(attn, x, plan.kv_heads, inv_freq, seq_len, plan.basis)
+        bases, rank = layer_basis(attn, x, plan, layer_inv_freq(rotary, source.config, index), seq_len)
         replaced[f"{family.layers_path}.{index}.{family.attention_attr}.loki_basis"] = bases
-        ranks.append(rank_for_variance(energies, plan.variance) if plan.variance is not None else plan.rank)
+        ranks.append(rank)
     plan.ranks = ranks
     return assemble_factorized(source, plan.surgery(), {}, added=replaced)
+
+
+def layer_basis(attn, x: InputStatistics, plan: LokiPlan, inv_freq: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, int]:
+    """One layer's key bases ([G, d, d]) and its rank: the plan's, or the one its ``variance`` asks for."""
+    bases, energies = key_bases(attn, x, plan.kv_heads, inv_freq, seq_len, plan.basis)
+    return bases, rank_for_variance(energies, plan.variance) if plan.variance is not None else plan.rank
+
+
+def planned_surgery(plan: LokiPlan) -> dict:
+    """The surgery record to plan a checkpoint's tensors by before any rank is known (the bases are [G, d, d]
+    whatever the rank)."""
+    return replace(plan, ranks=[plan.head_dim] * plan.num_layers).surgery() if plan.variance is not None else plan.surgery()
 
 
 def has_loki(model: PreTrainedModel) -> bool:

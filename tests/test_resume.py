@@ -17,6 +17,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.io.lazy import CheckpointReader
 from attnsurg.io.resume import CHECKPOINT_FILE, LayerCheckpoints, state_directory
+from attnsurg.methods.loki import plan_loki
 from attnsurg.methods.lowrank import plan_lowrank
 from attnsurg.methods.lowrank_stream import compress_streamed
 from attnsurg.methods.mla import Refinement, plan_mla
@@ -57,27 +58,30 @@ def streamed_run(method: str, source, config, windows, out, checkpoints=None, pr
         return convert_streamed(CheckpointReader(source), config, family, windows, plan, out,
                                 refinement=Refinement(4, tokens=4 * 32), max_shard_size="60KB", progress=progress,
                                 checkpoints=checkpoints)
-    plan = plan_lowrank(inspect_config(config), "svdllm", "k,v", ratio=0.5, kv_latent=True)
+    if method == "loki":
+        plan = plan_loki(inspect_config(config), None, 0.25, variance=0.9)
+    else:
+        plan = plan_lowrank(inspect_config(config), "svdllm", "k,v", ratio=0.5, kv_latent=True)
     return compress_streamed(CheckpointReader(source), config, family, windows, plan, out, max_shard_size="60KB",
                              progress=progress, checkpoints=checkpoints)
 
 
-@pytest.mark.parametrize("method", ["mla", "svdllm"])
+@pytest.mark.parametrize("method", ["mla", "svdllm", "loki"])
 def test_a_stopped_run_resumes_where_it_stopped_and_writes_the_same_tensors(method, tiny_checkpoints, tmp_path):
     model = with_mean_direction(AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"]))
     model.save_pretrained(tmp_path / "source", max_shard_size="60KB")  # sharded: layers span files
     windows = torch.randint(0, model.config.vocab_size, (6, 32), generator=torch.Generator().manual_seed(0))
-    _, whole_errors = streamed_run(method, tmp_path / "source", model.config, windows, tmp_path / "whole")
+    whole_config, whole_errors = streamed_run(method, tmp_path / "source", model.config, windows, tmp_path / "whole")
 
     out = tmp_path / "resumed"
     with pytest.raises(Stop):
         streamed_run(method, tmp_path / "source", model.config, windows, out, LayerCheckpoints(out, "run"), stopping_after(1))
     assert (out / CHECKPOINT_FILE).is_file()
     advanced = []
-    _, errors = streamed_run(method, tmp_path / "source", model.config, windows, out, LayerCheckpoints(out, "run"),
-                             lambda n=1, **fields: advanced.append(n))
+    config, errors = streamed_run(method, tmp_path / "source", model.config, windows, out, LayerCheckpoints(out, "run"),
+                                  lambda n=1, **fields: advanced.append(n))
     assert advanced[0] == 1 and len(advanced) == model.config.num_hidden_layers  # layer 0 was not done again
-    assert list(errors) == list(whole_errors)
+    assert list(errors) == list(whole_errors) and config.to_dict() == whole_config.to_dict()  # Loki: ranks in config
     whole, resumed = tensors_of(tmp_path / "whole"), tensors_of(out)
     assert whole.keys() == resumed.keys() and len({name.split(":")[0] for name in whole}) > 2
     for name, tensor in whole.items():

@@ -28,7 +28,7 @@ from attnsurg.methods.stacked_tucker import StackedTuckerPlan, compress_stacked_
 from attnsurg.io.lazy import CheckpointReader
 from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan, compress, plan_lowrank
-from attnsurg.methods.lowrank_stream import compress_streamed
+from attnsurg.methods.compress_stream import compress_streamed
 from attnsurg.modeling import MODELING_FILE
 from attnsurg.pipeline import (
     base_model_id,
@@ -134,9 +134,9 @@ def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None 
 STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard is complete
 
 
-def run_streamed(request: CompressLowRank | CompressLoki, source, anatomy: AttentionAnatomy, report: CompressReport,
+def run_streamed(request: Request, source, anatomy: AttentionAnatomy, report: CompressReport,
                  recipe: Recipe) -> CompressReport:
-    """Compress (low-rank or Loki) with one source layer in memory at a time (``lowrank_stream``), written
+    """Compress with one source layer in memory at a time (``compress_stream``), written
     straight into the staged output in the source's dtype. Nothing is scored: that would load both models whole."""
     surgery, config, dtype = start_streamed(request, source, anatomy, recipe)
     fingerprint = settings_fingerprint(recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows, Path(source.path))
@@ -145,7 +145,7 @@ def run_streamed(request: CompressLowRank | CompressLoki, source, anatomy: Atten
         with ui.progress_bar(f"Factorizing ({request.method}, streamed)", total=anatomy.num_layers, unit="layers") as advance:
             written, report.errors = compress_streamed(
                 CheckpointReader(Path(source.path)), config, surgery.family, surgery.windows, report.plan, staging,
-                dtype, STREAM_SHARD_SIZE, advance, surgery.device, checkpoints)
+                dtype, STREAM_SHARD_SIZE, advance, surgery.device, checkpoints, request.seed)
         report.factorize_seconds = time.perf_counter() - surgery.started
         card = loki_card(request, report) if isinstance(report.plan, LokiPlan) else lowrank_card(request, report)
         finish_streamed(staging, written, source, surgery, card, recipe,

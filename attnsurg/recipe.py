@@ -320,6 +320,7 @@ class HeadTensorSettings(Strict):
     ranks: tuple[int, ...] | None = None
     weighted: bool = True
     stacked: bool = False
+    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
 
     @model_validator(mode="after")
     def _stacked_is_tucker(self):

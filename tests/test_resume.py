@@ -1,5 +1,6 @@
 """A streamed run that stops resumes from its last finished layer and writes what an uninterrupted run writes."""
 
+import json
 import os
 import signal
 import subprocess
@@ -17,9 +18,10 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.io.lazy import CheckpointReader
 from attnsurg.io.resume import CHECKPOINT_FILE, LayerCheckpoints, state_directory
+from attnsurg.methods.headtensor import plan_head_tensor
 from attnsurg.methods.loki import plan_loki
 from attnsurg.methods.lowrank import plan_lowrank
-from attnsurg.methods.lowrank_stream import compress_streamed
+from attnsurg.methods.compress_stream import compress_streamed
 from attnsurg.methods.mla import Refinement, plan_mla
 from attnsurg.methods.mla_stream import convert_streamed
 
@@ -60,13 +62,15 @@ def streamed_run(method: str, source, config, windows, out, checkpoints=None, pr
                                 checkpoints=checkpoints)
     if method == "loki":
         plan = plan_loki(inspect_config(config), None, 0.25, variance=0.9)
+    elif method == "tucker":  # at a ratio: each projection's mode ranks chosen on its data
+        plan = plan_head_tensor(inspect_config(config), "tucker", "q,k,v,o", ratio=0.4)
     else:
         plan = plan_lowrank(inspect_config(config), "svdllm", "k,v", ratio=0.5, kv_latent=True)
     return compress_streamed(CheckpointReader(source), config, family, windows, plan, out, max_shard_size="60KB",
                              progress=progress, checkpoints=checkpoints)
 
 
-@pytest.mark.parametrize("method", ["mla", "svdllm", "loki"])
+@pytest.mark.parametrize("method", ["mla", "svdllm", "loki", "tucker"])
 def test_a_stopped_run_resumes_where_it_stopped_and_writes_the_same_tensors(method, tiny_checkpoints, tmp_path):
     model = with_mean_direction(AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"]))
     model.save_pretrained(tmp_path / "source", max_shard_size="60KB")  # sharded: layers span files
@@ -86,6 +90,12 @@ def test_a_stopped_run_resumes_where_it_stopped_and_writes_the_same_tensors(meth
     assert whole.keys() == resumed.keys() and len({name.split(":")[0] for name in whole}) > 2
     for name, tensor in whole.items():
         assert torch.equal(tensor, resumed[name]), name
+    if method == "tucker":  # shapes the shard plan could not know
+        placeholder = plan_head_tensor(inspect_config(model.config), "tucker", "q,k,v,o", ratio=0.4).ranks
+        chosen = [tuple(spec["ranks"]) for spec in config.attnsurg["head_tensor"].values()]
+        assert len(chosen) == len(placeholder) and chosen != placeholder
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in resumed.values())
 
     other = LayerCheckpoints(out, "another run's settings")
     assert other.resume_point() is None

@@ -222,7 +222,7 @@ def headtensor_proxy(method: str) -> Callable[[PlanContext, tuple[float, ...]], 
         decomposer = headtensor.DECOMPOSERS[method]
         errors = [[0.0] * ctx.anatomy.num_layers for _ in budgets]
         for index, unit in enumerate(plans[0].units):
-            *_, whitened = headtensor.whitened_unit(ctx.model, ctx.family, contexts, ctx.stats, unit, True)
+            *_, whitened = headtensor.whitened_unit(ctx.model, ctx.family, contexts, unit, True)
             for row, plan in zip(errors, plans, strict=True):
                 ranks = headtensor.unit_ranks(plan, index, whitened)
                 if ranks is not None:

@@ -79,9 +79,9 @@ def compress(
                            "across heads and projections (TensorLLM); --ranks head_dim,hidden.")
     ] = False,
     stream: Annotated[
-        bool, typer.Option("--stream", help="svd, asvd, svdllm, loki: one source layer in memory at a time, written "
+        bool, typer.Option("--stream", help="One source layer in memory at a time, written "
                            "straight to the output (models larger than memory; needs a local safetensors directory; "
-                           "uniform ranks; nothing scored).")
+                           "svd, asvd, svdllm: uniform ranks; nothing scored).")
     ] = False,
     calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
@@ -139,8 +139,7 @@ def compress(
     if top_k is not None or basis != "post-rope" or variance is not None:
         raise UserError(f"--top-k, --basis and --variance are for --method loki, not {method}")
     if method in TENSOR_METHODS:
-        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--stacked": stacked and method != "tucker",
-                                "--stream": stream})
+        reject_options(method, {"--kv-latent": kv_latent, "--allocate": allocate, "--stacked": stacked and method != "tucker"})
         if method == "tucker" and rank is not None:
             modes = "head_dim,hidden (e.g. --ranks 64,200)" if stacked else "heads,head_dim,hidden (e.g. --ranks 9,48,160)"
             raise UserError(f"tucker takes one rank per mode: --ranks {modes}")
@@ -148,7 +147,7 @@ def compress(
             raise UserError("cp takes a single rank: --rank R")
         mode_ranks = parse_ranks(ranks) if ranks is not None else (rank,) if rank is not None else None
         request = CompressHeadTensor(**common, ranks=mode_ranks, weighted=True if weighted is None else weighted,
-                                     stacked=stacked)
+                                     stacked=stacked, stream=stream)
     else:
         reject_options(method, {"--stacked": stacked})
         if ranks is not None:

@@ -9,10 +9,13 @@ most one shard's worth of finished tensors waiting for the rest.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,11 +34,14 @@ def planned_tensors(model_class: type, config, dtype: torch.dtype) -> dict[str, 
 
 class ShardWriter:
     """Shards of the tensors ``planned`` (name -> a tensor of the final shape and dtype, meta is enough) in
-    ``directory``; ``add`` each tensor once, then ``finish``."""
+    ``directory``; ``add`` each tensor once, then ``finish``. The ``flexible`` names' shapes are known only
+    when they are added (ranks chosen on data): they are planned at an estimate and take any shape."""
 
-    def __init__(self, directory: Path, planned: dict[str, torch.Tensor], max_shard_size: int | str = "5GB"):
+    def __init__(self, directory: Path, planned: dict[str, torch.Tensor], max_shard_size: int | str = "5GB",
+                 flexible: Collection[str] = ()):
         self.directory = Path(directory)
         self.planned = {name: (tuple(t.shape), t.dtype) for name, t in planned.items()}
+        self.flexible = set(flexible)
         split = split_torch_state_dict_into_shards(planned, max_shard_size=max_shard_size)
         self.sharded = split.is_sharded
         self.file_of = split.tensor_to_filename
@@ -48,7 +54,7 @@ class ShardWriter:
         if name not in self.planned:
             raise ValueError(f"tensor '{name}' is not in the planned checkpoint")
         shape, dtype = self.planned[name]
-        if tuple(tensor.shape) != shape:
+        if tuple(tensor.shape) != shape and name not in self.flexible:
             raise ValueError(f"tensor '{name}' has shape {tuple(tensor.shape)}, planned {shape}")
         filename = self.file_of[name]
         if filename in self.written or name in self.waiting[filename]:
@@ -76,6 +82,16 @@ class ShardWriter:
         if missing:
             raise ValueError(f"{len(missing)} planned tensors never added, e.g. {missing[:3]}")
         if self.sharded:
-            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.file_of.items()))}
+            total = self.written_size() if self.flexible else self.total_size
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self.file_of.items()))}
             (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
         return self.written
+
+    def written_size(self) -> int:
+        """The tensors' bytes as written, read from the shards' headers."""
+        total = 0
+        for filename in self.written:
+            with safe_open(str(self.directory / filename), framework="pt") as f:
+                for name in f.keys():
+                    total += math.prod(f.get_slice(name).get_shape()) * self.planned[name][1].itemsize
+        return total

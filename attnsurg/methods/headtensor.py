@@ -308,15 +308,19 @@ def warn_unconverged(unconverged: list[tuple[str, float]], total: int, what: str
                 f"kept their last factors (largest relative error {error:.4f}, {label})")
 
 
-def whitened_unit(source: PreTrainedModel, family: Family, contexts: list[LayerContext],
-                  stats: list[tuple[InputStatistics, InputStatistics]], unit: HeadUnit, weighted: bool):
+def whitened_unit(source: PreTrainedModel, family: Family, contexts: list[LayerContext], unit: HeadUnit, weighted: bool):
     """A unit's module path, its linear layer, input statistics, consumer blocks and whitened tensor."""
-    path = f"{family.layers_path}.{unit.layer}.{family.attention_attr}.{PROJECTIONS[unit.name]}"
-    linear = source.get_submodule(path)
-    x_stats, o_stats = stats[unit.layer]
-    unit_stats = o_stats if unit.name == "o" else x_stats
-    consumer = consumer_blocks(unit, contexts[unit.layer]) if weighted else None
-    return path, linear, unit_stats, consumer, whiten(unit, linear.weight, unit_stats, consumer)
+    prefix = f"{family.layers_path}.{unit.layer}.{family.attention_attr}"
+    linear, unit_stats, consumer, w = whitened_projection(unit, source.get_submodule(prefix), contexts[unit.layer], weighted)
+    return f"{prefix}.{PROJECTIONS[unit.name]}", linear, unit_stats, consumer, w
+
+
+def whitened_projection(unit: HeadUnit, attention: torch.nn.Module, context: LayerContext, weighted: bool):
+    """The unit's linear layer in ``attention``, its input statistics, consumer blocks and whitened tensor."""
+    linear = attention.get_submodule(PROJECTIONS[unit.name])
+    unit_stats = context.o if unit.name == "o" else context.x
+    consumer = consumer_blocks(unit, context) if weighted else None
+    return linear, unit_stats, consumer, whiten(unit, linear.weight, unit_stats, consumer)
 
 
 def unit_ranks(plan: HeadTensorPlan, index: int, w: Whitened) -> tuple[int, ...] | None:
@@ -325,6 +329,40 @@ def unit_ranks(plan: HeadTensorPlan, index: int, w: Whitened) -> tuple[int, ...]
     if plan.choose_ranks:
         plan.ranks[index] = DECOMPOSERS[plan.method].best_ranks_for_budget(w.tensor, plan.budgets[index])
     return plan.ranks[index]
+
+
+@dataclass
+class LayerFit:
+    """One decoder layer's decomposed projections: name -> module tensors, and per unit its error."""
+
+    replaced: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    errors: list[float] = field(default_factory=list)
+    unconverged: list[tuple[str, float]] = field(default_factory=list)
+
+
+@torch.no_grad()
+def decompose_layer(plan: HeadTensorPlan, index: int, attention: torch.nn.Module, context: LayerContext,
+                    seed: int = 0) -> LayerFit:
+    """Decompose the plan's units of decoder layer ``index`` (``attention``: its attention module) on their
+    whitened tensors; at a Tucker --ratio this chooses their ranks (``plan.ranks``)."""
+    decomposer = DECOMPOSERS[plan.method]
+    layer = LayerFit()
+    for i, unit in enumerate(plan.units):
+        if unit.layer != index:
+            continue
+        linear, unit_stats, consumer, w = whitened_projection(unit, attention, context, plan.weighted)
+        ranks = unit_ranks(plan, i, w)
+        if ranks is None:
+            layer.errors.append(0.0)
+            continue
+        fit = decomposer.decompose(w.tensor, ranks, MAX_ITERATIONS, decomposer.TOLERANCE, seed)
+        layer.errors.append(fit.relative_error)
+        if not fit.converged:
+            layer.unconverged.append((unit.label, fit.relative_error))
+        state = module_state(plan, fit.factors, w, linear.bias)
+        refit_hidden_factor(unit, state, linear.weight, unit_stats, consumer)
+        layer.replaced[PROJECTIONS[unit.name]] = state
+    return layer
 
 
 @torch.no_grad()
@@ -338,25 +376,17 @@ def compress_head_tensor(
     progress=None,
 ) -> HeadTensorResult:
     """Decompose every unit of the plan on its whitened tensor and assemble the model."""
-    decomposer = DECOMPOSERS[plan.method]
     contexts = layer_contexts(source, family, stats, seq_len)
     replaced, errors, unconverged = {}, [], []
-    for i, unit in enumerate(plan.units):
-        path, linear, unit_stats, consumer, w = whitened_unit(source, family, contexts, stats, unit, plan.weighted)
-        ranks = unit_ranks(plan, i, w)
-        if ranks is None:
-            errors.append(0.0)
-        else:
-            fit = decomposer.decompose(w.tensor, ranks, MAX_ITERATIONS, decomposer.TOLERANCE, seed)
-            errors.append(fit.relative_error)
-            if not fit.converged:
-                unconverged.append((unit.label, fit.relative_error))
-            state = module_state(plan, fit.factors, w, linear.bias)
-            refit_hidden_factor(unit, state, linear.weight, unit_stats, consumer)
-            replaced[path] = state
-        if progress and (i + 1 == len(plan.units) or plan.units[i + 1].layer != unit.layer):
+    for index in sorted({unit.layer for unit in plan.units}):
+        prefix = f"{family.layers_path}.{index}.{family.attention_attr}"
+        layer = decompose_layer(plan, index, source.get_submodule(prefix), contexts[index], seed)
+        replaced.update({f"{prefix}.{name}": state for name, state in layer.replaced.items()})
+        errors += layer.errors
+        unconverged += layer.unconverged
+        if progress:
             progress()
     warn_unconverged(unconverged, len(errors), f"{plan.method} decompositions", f"{MAX_ITERATIONS} iterations",
-                     decomposer.TOLERANCE)
+                     DECOMPOSERS[plan.method].TOLERANCE)
     model = assemble_factorized(source, plan.surgery(family), replaced)
     return HeadTensorResult(model, plan, errors, unconverged)

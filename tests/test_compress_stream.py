@@ -10,7 +10,7 @@ from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.io.lazy import CheckpointReader
 from attnsurg.io.load import load_model, resolve_source
 from attnsurg.methods.lowrank import compress, plan_lowrank
-from attnsurg.methods.lowrank_stream import compress_streamed
+from attnsurg.methods.compress_stream import compress_streamed
 
 from conftest import assert_streamed_like_loaded
 
@@ -72,10 +72,36 @@ def test_compress_stream_writes_the_checkpoint_compress_writes(tiny_checkpoints,
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)
     assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
-    tucker = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "tucker", "--ratio", "0.5"]
-    for args, fragment in ((common + ["--allocate"], "--allocate"), (tucker, "--stream does not apply")):
-        refused = runner.invoke(app, args + ["--stream", "-o", str(tmp_path / "never")])
-        assert refused.exit_code == 2 and fragment in refused.output and not (tmp_path / "never").exists(), refused.output
+    refused = runner.invoke(app, common + ["--allocate", "--stream", "-o", str(tmp_path / "never")])
+    assert refused.exit_code == 2 and "--allocate" in refused.output and not (tmp_path / "never").exists(), refused.output
+
+
+@pytest.mark.parametrize("budget", [["--method", "tucker", "--ratio", "0.5"], ["--method", "cp", "--ratio", "0.5"],
+                                    ["--method", "tucker", "--stacked", "--ratio", "0.5"]])
+def test_tensor_methods_stream_to_the_checkpoint_compress_writes(budget, tiny_checkpoints, corpus_file, tmp_path):
+    """Tucker at a --ratio chooses each projection's mode ranks on its data: the streamed output's tensor shapes
+    and config are only known layer by layer, and still equal the loaded run's."""
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    common = ["compress", str(tiny_checkpoints["llama-gqa"]), *budget, "--calib-text", str(corpus_file),
+              "--calib-tokens", "512", "--calib-seq-len", "64", "--eval-tokens", "0"]
+    for name, extra in (("loaded", []), ("streamed", ["--stream"])):
+        result = CliRunner().invoke(app, common + extra + ["-o", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+    loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
+    assert streamed.config.attnsurg == loaded.config.attnsurg
+    with safe_open(tmp_path / "streamed" / "model.safetensors", "pt") as f:
+        tied = {"lm_head.weight"} if loaded.config.tie_word_embeddings else set()
+        assert set(f.keys()) == set(loaded.state_dict()) - tied
+        for name in f.keys():
+            assert tuple(f.get_slice(name).get_shape()) == tuple(loaded.state_dict()[name].shape), name
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)
+    assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
 
 
 @pytest.mark.parametrize("budget", [["--rank", "8"], ["--variance", "0.9"]])

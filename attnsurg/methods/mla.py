@@ -171,7 +171,7 @@ class MLAPlan:
     def qk_nope_dim(self) -> int:
         """Per-head width of the no-RoPE query and key. A head's no-RoPE score is bilinear in its own query
         (head_dim wide) and the latent (kv_rank wide), so the closed form is exact at the narrower of the two:
-        ``head`` takes head_dim where that is narrower (``head_nope_keys``: far fewer parameters, the same
+        ``head`` takes head_dim where that is narrower (``nope_query_mixes``: far fewer parameters, the same
         closed form), ``latent`` the latent's width (the QR reduction), whose extra rank per head refinement
         uses (on the demo model at 0.5, calibrated on all domains, first 4096 tokens: latent x1.355 wiki, x1.498
         c4, x1.381 code; head x14.2, x48.1, x1.66, one refined layer blowing up). Never wider than the unrotated
@@ -361,19 +361,18 @@ def rope_frequencies(plan: MLAPlan, inv_freq: torch.Tensor) -> list[float]:
     return [float(inv_freq[i]) for i in range(plan.head_dim // 2) for _ in range(plan.counts[i])]
 
 
-def head_nope_keys(B_k: torch.Tensor, bases: list[torch.Tensor], nope: list, G: int, d: int) -> list[torch.Tensor]:
-    """Per KV group g, the no-RoPE key in the group's own head coordinates, [d, r]. Head h's no-RoPE query
-    rows are U_i[j, g] q_{h,i,c} for the no-RoPE components (j, i, c): each is a multiple of one of the head's
-    own d query rows, so q'_h . (B_k c) = q_h . (T_g^T B_k c), T_g[(j,i,c), (i,c)] = U_i[j, g]."""
-    component, position = [], []
-    for n, (j, i, c) in enumerate(nope):
-        component.append(n)
-        position.append(i + c * (d // 2))
-    keys = []
+def nope_query_mixes(bases: list[torch.Tensor], nope: list, G: int, d: int) -> list[torch.Tensor]:
+    """Per KV group g, T_g [n_k, d]: the no-RoPE query rows of a head h of group g are T_g W_h, a mix of its own
+    d query rows: row (j, i, c) is U_i[j, g] times the row at frequency i, part c. So q'_h . (B_k c) =
+    q_h . (T_g^T B_k c): the group's no-RoPE key in head coordinates is T_g^T B_k, head_dim wide."""
+    position = torch.tensor([i + c * (d // 2) for _, i, c in nope], dtype=torch.long)
+    rows = torch.arange(len(nope))
+    mixes = []
     for g in range(G):
-        mix = torch.tensor([float(bases[i][j, g]) for j, i, _ in nope], dtype=B_k.dtype)
-        keys.append(B_k.new_zeros(d, B_k.shape[1]).index_add_(0, torch.tensor(position), B_k[component] * mix[:, None]))
-    return keys
+        mix = torch.zeros(len(nope), d, dtype=torch.float64)
+        mix[rows, position] = torch.tensor([float(bases[i][j, g]) for j, i, _ in nope], dtype=torch.float64)
+        mixes.append(mix)
+    return mixes
 
 
 def latent_factors(M: torch.Tensor, sigma: torch.Tensor, S: torch.Tensor | None, rank: int):
@@ -388,19 +387,16 @@ def latent_factors(M: torch.Tensor, sigma: torch.Tensor, S: torch.Tensor | None,
     return top.T @ root @ M, inverse_root @ top  # A: [r, D+1], B: [n, r]
 
 
-def query_moment(Wq: torch.Tensor, sigma: torch.Tensor, bases: list[torch.Tensor], nope: list, plan: MLAPlan) -> torch.Tensor:
-    """sum_h Q_h sigma Q_h^T over each head's no-RoPE query rows Q_h. Row (j, i, c) of Q_h is U_i[j, g(h)] times
-    the head's own query row at frequency i (``head_nope_keys``), so Q_h = T_h W_h with W_h the head's d rows:
-    each head's moment is taken at head width, T_h (W_h sigma W_h^T) T_h^T, not at the key's (G times wider)."""
+def query_moment(Wq: torch.Tensor, sigma: torch.Tensor, mixes: list[torch.Tensor], plan: MLAPlan) -> torch.Tensor:
+    """sum_h Q_h sigma Q_h^T over each head's no-RoPE query rows Q_h = T_g(h) W_h (``nope_query_mixes``): each
+    head's moment is taken at head width, T_g (W_h sigma W_h^T) T_g^T, not at the key's (G times wider)."""
     d, H, group = plan.head_dim, plan.num_heads, plan.num_heads // plan.num_kv_heads
-    position = torch.tensor([i + c * (d // 2) for _, i, c in nope], dtype=torch.long)
     projected = Wq @ sigma
-    moment = torch.zeros(len(nope), len(nope), dtype=torch.float64)
+    moment = torch.zeros(mixes[0].shape[0], mixes[0].shape[0], dtype=torch.float64)
     for h in range(H):
         head = slice(h * d, (h + 1) * d)
-        per_head = (projected[head] @ Wq[head].T)[position][:, position]
-        mix = torch.tensor([float(bases[i][j, h // group]) for j, i, _ in nope], dtype=torch.float64)
-        moment += mix[:, None] * per_head * mix[None, :]
+        mix = mixes[h // group]
+        moment += mix @ (projected[head] @ Wq[head].T) @ mix.T
     return moment
 
 
@@ -436,6 +432,19 @@ def linearised_norm(W: torch.Tensor, attn, projection: str, sigma: torch.Tensor,
     return torch.cat(rows)
 
 
+def query_projection(Wq: torch.Tensor, nope_maps: list[torch.Tensor], Q_rope: list[torch.Tensor], plan: MLAPlan) -> torch.Tensor:
+    """The converted query rows, head by head: the no-RoPE part mapped from the head's own rows (``nope_maps``
+    per group: [width, d]), then its RoPE rows. Built in place: at 70B and the latent width it is 4 GB in float64."""
+    d, group = plan.head_dim, plan.num_heads // plan.num_kv_heads
+    width = nope_maps[0].shape[0] + Q_rope[0].shape[0]
+    q_proj = Wq.new_empty(plan.num_heads * width, Wq.shape[1])
+    for h in range(plan.num_heads):
+        nope = nope_maps[h // group]
+        torch.matmul(nope, Wq[h * d : (h + 1) * d], out=q_proj[h * width : h * width + nope.shape[0]])
+        q_proj[h * width + nope.shape[0] : (h + 1) * width] = Q_rope[h]
+    return q_proj
+
+
 @torch.no_grad()
 def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
               sigma_first: torch.Tensor | None = None) -> MLAWeights:
@@ -461,28 +470,29 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
 
     K_rope, K_nope = key_rows(rope), key_rows(nope)
     Q_rope = [query_rows(h, rope) for h in range(H)]
-    Q_nope = [query_rows(h, nope) for h in range(H)]
+    mixes = nope_query_mixes(bases, nope, G, d)
 
     M = torch.cat([K_nope, Wv])  # z = [no-RoPE key; values] = M x~
     C = M @ sigma @ M.T
-    S = consumer_weight(query_moment(Wq, sigma, bases, nope, plan), Wo, plan, C) if weighted else None
+    S = consumer_weight(query_moment(Wq, sigma, mixes, plan), Wo, plan, C) if weighted else None
     A, B = latent_factors(M, sigma, S, r)
     n_k = plan.nope_key_dim
     B_k, B_v = B[:n_k], B[n_k:]
     if plan.qk_nope_dim == d and d < n_k:
         # Each head's own query rows against its group's no-RoPE key in head coordinates: exact, head_dim wide.
-        B_ks = head_nope_keys(B_k, bases, nope, G, d)
-        Q_nope = [Wq[h * d : (h + 1) * d] for h in range(H)]
+        B_ks = [mix.T @ B_k for mix in mixes]
+        nope_maps = [torch.eye(d, dtype=torch.float64)] * G
     else:
-        # Reduce the key width to the latent rank: B_k = Q R, so q . (B_k c) = (Q^T q) . (R c).
+        nope_maps = mixes
         if plan.qk_nope_dim < n_k:
+            # Reduce the key width to the latent rank: B_k = Q R, so q . (B_k c) = (Q^T q) . (R c).
             Qb, Rb = torch.linalg.qr(B_k)
             B_k = Rb
-            Q_nope = [Qb.T @ Qh for Qh in Q_nope]
+            nope_maps = [Qb.T @ mix for mix in mixes]
         B_ks = [B_k] * G
 
     scale = math.sqrt((plan.qk_nope_dim + R) / d)
-    q_proj = torch.cat([torch.cat([Q_nope[h], Q_rope[h]]) for h in range(H)]) * scale
+    q_proj = query_projection(Wq, nope_maps, Q_rope, plan).mul_(scale)
 
     kv_b = torch.cat([torch.cat([B_ks[h // group], B_v[(h // group) * d : (h // group + 1) * d]]) for h in range(H)])
     if not plan.exact:
@@ -530,7 +540,8 @@ def native_weights(q_proj: torch.Tensor, A: torch.Tensor, K_rope: torch.Tensor, 
     kv_a_norm = torch.full((r + 1,), scale / math.sqrt(r + 1), dtype=torch.float64)
     kv_a_norm[r] = 1 / math.sqrt(r + 1)
     kv_b = torch.cat([kv_b, kv_b @ A[:, D:]], dim=1)
-    return MLAWeights(folded(q_proj), None, kv_a, None, kv_a_norm, kv_b, None)
+    q_proj = q_proj[:, :D].add_(q_proj[:, D:] * a[None])  # folded in place: the fit's largest tensor
+    return MLAWeights(q_proj, None, kv_a, None, kv_a_norm, kv_b, None)
 
 
 def with_dominance(w: MLAWeights, dominance: float) -> MLAWeights:

@@ -540,7 +540,7 @@ def native_weights(q_proj: torch.Tensor, A: torch.Tensor, K_rope: torch.Tensor, 
     kv_a_norm = torch.full((r + 1,), scale / math.sqrt(r + 1), dtype=torch.float64)
     kv_a_norm[r] = 1 / math.sqrt(r + 1)
     kv_b = torch.cat([kv_b, kv_b @ A[:, D:]], dim=1)
-    q_proj = q_proj[:, :D].add_(q_proj[:, D:] * a[None])  # folded in place: the fit's largest tensor
+    q_proj = q_proj[:, :D].addr_(q_proj[:, D], a)  # folded in place: the fit's largest tensor
     return MLAWeights(q_proj, None, kv_a, None, kv_a_norm, kv_b, None)
 
 

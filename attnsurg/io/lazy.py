@@ -62,9 +62,12 @@ class CheckpointReader:
         return state
 
 
+FINITE_CHUNK = 1 << 24  # values checked at a time: a 70B model's embedding table would need a 1 GB mask at once
+
+
 def require_finite(name: str, tensor: torch.Tensor, where: str) -> None:
     """NaN or infinity in a stored weight is a corrupt checkpoint: named before any work reads it."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if tensor.is_floating_point() and not all(bool(torch.isfinite(part).all()) for part in tensor.reshape(-1).split(FINITE_CHUNK)):
         raise UserError(f"'{where}' has NaN or infinite values in {name}: the checkpoint is corrupt; "
                         "fetch or export it again")
 

@@ -77,10 +77,12 @@ def test_compress_stream_writes_the_checkpoint_compress_writes(tiny_checkpoints,
 
 
 @pytest.mark.parametrize("budget", [["--method", "tucker", "--ratio", "0.5"], ["--method", "cp", "--ratio", "0.5"],
-                                    ["--method", "tucker", "--stacked", "--ratio", "0.5"]])
-def test_tensor_methods_stream_to_the_checkpoint_compress_writes(budget, tiny_checkpoints, corpus_file, tmp_path):
-    """Tucker at a --ratio chooses each projection's mode ranks on its data: the streamed output's tensor shapes
-    and config are only known layer by layer, and still equal the loaded run's."""
+                                    ["--method", "tucker", "--stacked", "--ratio", "0.5"],
+                                    ["--method", "loki", "--rank", "8", "--top-k", "0.25"],
+                                    ["--method", "loki", "--variance", "0.9", "--top-k", "0.25"]])
+def test_every_other_method_streams_to_the_checkpoint_compress_writes(budget, tiny_checkpoints, corpus_file, tmp_path):
+    """Tucker at a --ratio chooses each projection's mode ranks on its data, and Loki at a --variance each layer's
+    rank: the streamed output's shapes and config are known only layer by layer, and still equal the loaded run's."""
     from safetensors import safe_open
     from typer.testing import CliRunner
 
@@ -98,31 +100,8 @@ def test_tensor_methods_stream_to_the_checkpoint_compress_writes(budget, tiny_ch
         assert set(f.keys()) == set(loaded.state_dict()) - tied
         for name in f.keys():
             assert tuple(f.get_slice(name).get_shape()) == tuple(loaded.state_dict()[name].shape), name
-    ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)
-    assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
-
-
-@pytest.mark.parametrize("budget", [["--rank", "8"], ["--variance", "0.9"]])
-def test_loki_stream_writes_the_bases_and_ranks_loki_writes(budget, tiny_checkpoints, corpus_file, tmp_path):
-    from safetensors import safe_open
-    from typer.testing import CliRunner
-
-    from attnsurg.cli import app
-
-    common = ["compress", str(tiny_checkpoints["llama-gqa"]), "--method", "loki", *budget, "--top-k", "0.25",
-              "--calib-text", str(corpus_file), "--calib-tokens", "512", "--calib-seq-len", "64", "--eval-tokens", "0"]
-    for name, extra in (("loaded", []), ("streamed", ["--stream"])):
-        result = CliRunner().invoke(app, common + extra + ["-o", str(tmp_path / name)])
-        assert result.exit_code == 0, result.output
-    loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
-    assert streamed.config.attnsurg == loaded.config.attnsurg
-    with safe_open(tmp_path / "streamed" / "model.safetensors", "pt") as f:
-        bases = [name for name in f.keys() if name.endswith("loki_basis")]
-        assert len(bases) == loaded.config.num_hidden_layers
-        for name in bases:
-            torch.testing.assert_close(f.get_tensor(name), loaded.state_dict()[name], rtol=1e-5, atol=1e-5)
+            if name.endswith("loki_basis"):
+                torch.testing.assert_close(f.get_tensor(name), loaded.state_dict()[name], rtol=1e-5, atol=1e-5)
     ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)

@@ -70,8 +70,8 @@ def compress_streamed(
     (``io.resume``)."""
     if isinstance(plan, LowRankPlan) and plan.allocate:
         raise ValueError("allocated ranks need every layer's spectrum first; stream with uniform ranks")
-    config = output_config(source_config, family, plan, planned_surgery(plan) if isinstance(plan, LokiPlan) else None)
-    config.dtype = str(dtype).removeprefix("torch.")
+    planning = planned_surgery(plan) if isinstance(plan, LokiPlan) else surgery_of(plan, family)
+    config = written_config(source_config, planning, dtype)
     planned = planned_tensors(CLASSES[source_config.model_type][1], config, dtype)
     chosen = isinstance(plan, HeadTensorPlan) and plan.choose_ranks  # shapes known once each layer is done
     writer = ShardWriter(output, planned, max_shard_size, flexible=factor_names(planned) if chosen else ())
@@ -97,15 +97,18 @@ def compress_streamed(
     writer.finish()
     warn_capped(plan, unconverged, len(records) - len(start.errors))
     errors = apply_records(plan, records)
-    config = output_config(source_config, family, plan)
+    return written_config(source_config, surgery_of(plan, family), dtype), errors
+
+
+def surgery_of(plan: Plan, family: Family) -> dict:
+    return plan.surgery() if isinstance(plan, LokiPlan) else plan.surgery(family)
+
+
+def written_config(source_config: PretrainedConfig, surgery: dict, dtype: torch.dtype) -> PretrainedConfig:
+    """The output's config: the source's family under attnsurg's model type, with ``surgery`` and ``dtype``."""
+    config = attnsurg_config(source_config, surgery)
     config.dtype = str(dtype).removeprefix("torch.")
-    return config, errors
-
-
-def output_config(source_config: PretrainedConfig, family: Family, plan: Plan, surgery: dict | None = None) -> PretrainedConfig:
-    if surgery is None:
-        surgery = plan.surgery() if isinstance(plan, LokiPlan) else plan.surgery(family)
-    return attnsurg_config(source_config, surgery)
+    return config
 
 
 def factor_names(planned: dict[str, torch.Tensor]) -> set[str]:

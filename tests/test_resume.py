@@ -148,10 +148,8 @@ def test_the_same_command_resumes_other_settings_are_refused_and_overwrite_start
     assert "resuming" not in over.stderr and not state_directory(tmp_path / "again").exists()
 
 
-def test_kill_9_mid_run_keeps_the_finished_layers_a_second_run_waits_its_turn_and_a_rerun_finishes(
-        tiny_checkpoints, corpus_file, tmp_path):
-    out = tmp_path / "out"
-    args = ["compress", str(tiny_checkpoints["qwen2"]), *STREAM_TINY, "--calib-text", str(corpus_file), "-o", str(out)]
+def stalled_after_its_first_layer(args: list[str], out) -> subprocess.Popen:
+    """``attnsurg ARGS`` in a child process that stalls once its first layer's checkpoint is written."""
     stall = ("import time, attnsurg.io.resume as r; save = r.LayerCheckpoints.save\n"
              "def stalled(self, n, *a):\n    save(self, n, *a)\n    time.sleep(600)\n"
              "r.LayerCheckpoints.save = stalled")
@@ -162,6 +160,14 @@ def test_kill_9_mid_run_keeps_the_finished_layers_a_second_run_waits_its_turn_an
         assert child.poll() is None, child.communicate()
         assert time.time() < deadline
         time.sleep(0.05)
+    return child
+
+
+def test_kill_9_mid_run_keeps_the_finished_layers_a_second_run_waits_its_turn_and_a_rerun_finishes(
+        tiny_checkpoints, corpus_file, tmp_path):
+    out = tmp_path / "out"
+    args = ["compress", str(tiny_checkpoints["qwen2"]), *STREAM_TINY, "--calib-text", str(corpus_file), "-o", str(out)]
+    child = stalled_after_its_first_layer(args, out)
     second = CliRunner().invoke(app, args)
     assert second.exit_code == 2 and "another attnsurg process" in second.stderr
     os.kill(child.pid, signal.SIGKILL)
@@ -186,3 +192,14 @@ def test_a_run_stopped_before_its_first_layer_is_done_leaves_nothing(tiny_checkp
                                       str(corpus_file), "-o", str(out)])
     assert result.exit_code != 0 and "resume" not in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_stops_a_run_with_the_line_that_says_where_its_layers_are(tiny_checkpoints, corpus_file, tmp_path):
+    out = tmp_path / "out"
+    args = ["compress", str(tiny_checkpoints["qwen2"]), *STREAM_TINY, "--calib-text", str(corpus_file), "-o", str(out)]
+    child = stalled_after_its_first_layer(args, out)
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode != 0 and "Traceback" not in stderr
+    assert "stopped; the finished layers are kept in" in " ".join(stderr.split())
+    assert (state_directory(out) / CHECKPOINT_FILE).is_file() and not out.exists()

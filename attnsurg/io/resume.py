@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -140,7 +142,8 @@ def resumable_checkpoint(out: Path, overwrite: bool, fingerprint: str) -> Iterat
         if stored != fingerprint:
             empty_except(directory, LOCK_FILE)
         try:
-            yield checkpoints
+            with sigterm_as_interrupt():
+                yield checkpoints
         except BaseException as exc:
             stopped(exc, checkpoints, out)
             raise
@@ -162,6 +165,24 @@ def stopped(exc: BaseException, checkpoints: LayerCheckpoints, out: Path) -> Non
                         "output)") from exc
     if kept:
         ui.warn(f"stopped; {where}")
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (`kill`, a scheduler preempting the job) stops the run as Ctrl-C does: the state is kept and the
+    run says where, instead of ending without a word."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def synced_to_disk(path: Path) -> None:

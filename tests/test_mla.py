@@ -57,7 +57,7 @@ def test_query_mixes_and_moment_at_head_width_equal_the_expanded_query_rows():
     expanded = [torch.stack([bases[i][j, h // group] * Wq[mla.frequency_rows(h, i, d)[c]] for j, i, c in nope])
                 for h in range(plan.num_heads)]
     direct = sum(Q @ sigma @ Q.T for Q in expanded)
-    mixes = mla.nope_query_mixes(bases, nope, plan.num_kv_heads, d)
+    mixes = mla.query_mixes(bases, nope, plan.num_kv_heads, d)
     for h, Q in enumerate(expanded):  # T_g W_h is the expanded rows
         torch.testing.assert_close(mixes[h // group] @ Wq[h * d : (h + 1) * d], Q, rtol=0, atol=1e-12)
     torch.testing.assert_close(mla.query_moment(Wq, sigma, mixes, plan), direct, rtol=1e-10, atol=1e-10)
@@ -65,7 +65,7 @@ def test_query_mixes_and_moment_at_head_width_equal_the_expanded_query_rows():
 
 @pytest.mark.parametrize("fmt,kv_heads", [("native", 6), ("exact", 6), ("native", 3)])
 def test_per_head_no_rope_keys_equal_the_shared_one_with_fewer_parameters(fmt, kv_heads):
-    """Each head's no-RoPE score read through its own head_dim query rows (``nope_query_mixes``) is the score the
+    """Each head's no-RoPE score read through its own head_dim query rows (``query_mixes``) is the score the
     shared no-RoPE key of the latent's width gives: the same closed form, head_dim wide instead of latent wide."""
     model = build_tiny("qwen2", 384, hidden_size=96, num_attention_heads=6, num_key_value_heads=kv_heads, head_dim=16)
     plan = plan_mla(inspect_config(model.config), kv_budget=0.5, format=fmt, nope_width="head")

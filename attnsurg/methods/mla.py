@@ -171,7 +171,7 @@ class MLAPlan:
     def qk_nope_dim(self) -> int:
         """Per-head width of the no-RoPE query and key. A head's no-RoPE score is bilinear in its own query
         (head_dim wide) and the latent (kv_rank wide), so the closed form is exact at the narrower of the two:
-        ``head`` takes head_dim where that is narrower (``nope_query_mixes``: far fewer parameters, the same
+        ``head`` takes head_dim where that is narrower (``query_mixes``: far fewer parameters, the same
         closed form), ``latent`` the latent's width (the QR reduction), whose extra rank per head refinement
         uses (on the demo model at 0.5, calibrated on all domains, first 4096 tokens: latent x1.355 wiki, x1.498
         c4, x1.381 code; head x14.2, x48.1, x1.66, one refined layer blowing up). Never wider than the unrotated
@@ -361,16 +361,17 @@ def rope_frequencies(plan: MLAPlan, inv_freq: torch.Tensor) -> list[float]:
     return [float(inv_freq[i]) for i in range(plan.head_dim // 2) for _ in range(plan.counts[i])]
 
 
-def nope_query_mixes(bases: list[torch.Tensor], nope: list, G: int, d: int) -> list[torch.Tensor]:
-    """Per KV group g, T_g [n_k, d]: the no-RoPE query rows of a head h of group g are T_g W_h, a mix of its own
-    d query rows: row (j, i, c) is U_i[j, g] times the row at frequency i, part c. So q'_h . (B_k c) =
-    q_h . (T_g^T B_k c): the group's no-RoPE key in head coordinates is T_g^T B_k, head_dim wide."""
-    position = torch.tensor([i + c * (d // 2) for _, i, c in nope], dtype=torch.long)
-    rows = torch.arange(len(nope))
+def query_mixes(bases: list[torch.Tensor], components: list, G: int, d: int) -> list[torch.Tensor]:
+    """Per KV group g, T_g [len(components), d]: the converted query rows of a head h of group g for these
+    (j, i, c) components are T_g W_h, a mix of its own d query rows: row (j, i, c) is U_i[j, g] times the row at
+    frequency i, part c. So for the no-RoPE part q'_h . (B_k c) = q_h . (T_g^T B_k c): the group's no-RoPE key
+    in head coordinates is T_g^T B_k, head_dim wide."""
+    position = torch.tensor([i + c * (d // 2) for _, i, c in components], dtype=torch.long)
+    rows = torch.arange(len(components))
     mixes = []
     for g in range(G):
-        mix = torch.zeros(len(nope), d, dtype=torch.float64)
-        mix[rows, position] = torch.tensor([float(bases[i][j, g]) for j, i, _ in nope], dtype=torch.float64)
+        mix = torch.zeros(len(components), d, dtype=torch.float64)
+        mix[rows, position] = torch.tensor([float(bases[i][j, g]) for j, i, _ in components], dtype=torch.float64)
         mixes.append(mix)
     return mixes
 
@@ -388,7 +389,7 @@ def latent_factors(M: torch.Tensor, sigma: torch.Tensor, S: torch.Tensor | None,
 
 
 def query_moment(Wq: torch.Tensor, sigma: torch.Tensor, mixes: list[torch.Tensor], plan: MLAPlan) -> torch.Tensor:
-    """sum_h Q_h sigma Q_h^T over each head's no-RoPE query rows Q_h = T_g(h) W_h (``nope_query_mixes``): each
+    """sum_h Q_h sigma Q_h^T over each head's no-RoPE query rows Q_h = T_g(h) W_h (``query_mixes``): each
     head's moment is taken at head width, T_g (W_h sigma W_h^T) T_g^T, not at the key's (G times wider)."""
     d, H, group = plan.head_dim, plan.num_heads, plan.num_heads // plan.num_kv_heads
     projected = Wq @ sigma
@@ -432,16 +433,14 @@ def linearised_norm(W: torch.Tensor, attn, projection: str, sigma: torch.Tensor,
     return torch.cat(rows)
 
 
-def query_projection(Wq: torch.Tensor, nope_maps: list[torch.Tensor], Q_rope: list[torch.Tensor], plan: MLAPlan) -> torch.Tensor:
-    """The converted query rows, head by head: the no-RoPE part mapped from the head's own rows (``nope_maps``
-    per group: [width, d]), then its RoPE rows. Built in place: at 70B and the latent width it is 4 GB in float64."""
+def query_projection(Wq: torch.Tensor, maps: list[torch.Tensor], plan: MLAPlan) -> torch.Tensor:
+    """The converted query rows, head by head, each mapped from the head's own d rows by its group's ``maps``
+    ([no-RoPE width + RoPE dims, d]). Built in place: at 70B and the latent width it is 4 GB in float64."""
     d, group = plan.head_dim, plan.num_heads // plan.num_kv_heads
-    width = nope_maps[0].shape[0] + Q_rope[0].shape[0]
+    width = maps[0].shape[0]
     q_proj = Wq.new_empty(plan.num_heads * width, Wq.shape[1])
     for h in range(plan.num_heads):
-        nope = nope_maps[h // group]
-        torch.matmul(nope, Wq[h * d : (h + 1) * d], out=q_proj[h * width : h * width + nope.shape[0]])
-        q_proj[h * width + nope.shape[0] : (h + 1) * width] = Q_rope[h]
+        torch.matmul(maps[h // group], Wq[h * d : (h + 1) * d], out=q_proj[h * width : (h + 1) * width])
     return q_proj
 
 
@@ -465,12 +464,8 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
     def key_rows(components) -> torch.Tensor:  # k'_{j,i,c} = sum_g U_i[j, g] k_{g,i,c}
         return stacked([sum(bases[i][j, g] * Wk[frequency_rows(g, i, d)[c]] for g in range(G)) for j, i, c in components])
 
-    def query_rows(h: int, components) -> torch.Tensor:  # q'_{h,j,i,c} = U_i[j, g(h)] q_{h,i,c}
-        return stacked([bases[i][j, h // group] * Wq[frequency_rows(h, i, d)[c]] for j, i, c in components])
-
     K_rope, K_nope = key_rows(rope), key_rows(nope)
-    Q_rope = [query_rows(h, rope) for h in range(H)]
-    mixes = nope_query_mixes(bases, nope, G, d)
+    mixes = query_mixes(bases, nope, G, d)  # q'_{h,j,i,c} = U_i[j, g(h)] q_{h,i,c}
 
     M = torch.cat([K_nope, Wv])  # z = [no-RoPE key; values] = M x~
     C = M @ sigma @ M.T
@@ -492,7 +487,8 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
         B_ks = [B_k] * G
 
     scale = math.sqrt((plan.qk_nope_dim + R) / d)
-    q_proj = query_projection(Wq, nope_maps, Q_rope, plan).mul_(scale)
+    maps = [torch.cat([nope, rope_mix]) for nope, rope_mix in zip(nope_maps, query_mixes(bases, rope, G, d), strict=True)]
+    q_proj = query_projection(Wq, maps, plan).mul_(scale)
 
     kv_b = torch.cat([torch.cat([B_ks[h // group], B_v[(h // group) * d : (h // group + 1) * d]]) for h in range(H)])
     if not plan.exact:

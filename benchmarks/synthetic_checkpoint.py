@@ -3,8 +3,8 @@
     python benchmarks/synthetic_checkpoint.py llama-3.1-8b|llama-3.1-70b|llama-3.2-1b|qwen2.5-7b [-o out/synthetic/llama-3.1-8b] [--dtype bfloat16]
                                               [--layers N] [--shard-size 2GB]
 
-Written shard by shard (one shard's tensors in memory at a time, through attnsurg's ShardWriter), so an
-8B checkpoint needs a few GB of memory, not 16. The weights are random (normal, std 0.02; norms 1), the
+Written tensor by tensor (each straight into its shard file, through attnsurg's ShardWriter), so an 8B
+checkpoint needs little memory, not 16 GB. The weights are random (normal, std 0.02; norms 1), the
 tokenizer is the demo model's (its ids fit every vocabulary here): what is measured on them is cost (time,
 memory, size), never quality. ``--layers`` keeps the first N layers of the config for a quick run.
 """
@@ -98,7 +98,7 @@ def write_checkpoint(name: str, output: Path, dtype: torch.dtype, layers: int | 
     output.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(output, shapes, shard_size)
     generator = torch.Generator().manual_seed(0)
-    for names in writer.members.values():  # shard by shard: one shard's tensors in memory at a time
+    for names in writer.members.values():
         for name in sorted(names):
             writer.add(name, random_tensor(name, shapes[name], generator))
     for shard in writer.finish():

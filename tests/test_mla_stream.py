@@ -1,8 +1,11 @@
 """The streamed conversion writes what the in-memory one builds, reading one layer at a time."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
@@ -67,3 +70,42 @@ def test_convert_stream_writes_the_checkpoint_convert_writes(tiny_checkpoints, c
     assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
     refused = runner.invoke(app, common + ["--stream", "--short-prompts", "0.25", "-o", str(tmp_path / "never")])
     assert refused.exit_code == 2 and "--short-prompts" in refused.output and not (tmp_path / "never").exists()
+
+
+PEAK_OF_CHILD = """
+import resource, runpy, sys
+import attnsurg.cli, attnsurg.methods.mla_stream  # what the run imports, counted before it starts
+def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sys.argv, before = ['attnsurg', *sys.argv[1:]], peak()
+try:
+    runpy.run_module('attnsurg', run_name='__main__')
+finally:
+    print('peak-kb', before, peak(), file=sys.stderr)
+"""
+
+
+def resident_growth(args: list[str]) -> int:
+    """``attnsurg ARGS`` in a child process: how far its peak resident memory rose above the peak that importing
+    the libraries had reached."""
+    child = subprocess.run([sys.executable, "-c", PEAK_OF_CHILD, *args], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    before, peak = map(int, child.stderr.rsplit("peak-kb", 1)[1].split()[:2])
+    return (peak - before) * 1024
+
+
+def test_a_streamed_conversion_holds_far_less_than_the_checkpoint(tokenizer, corpus_file, tmp_path):
+    """Memory a streamed conversion takes beyond the libraries it imports stays under half the source checkpoint's
+    size: one layer in float32 and its fit, never the model or the finished output (each tensor goes straight
+    into its shard). Loading the bf16 source in float32 alone would take twice its size."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=8192, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, eos_token_id=0,
+                         tie_word_embeddings=False)  # large layers, quick to convert: 26 MB of bf16 each
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "wide")
+    tokenizer.save_pretrained(tmp_path / "wide")
+    size = sum(path.stat().st_size for path in (tmp_path / "wide").glob("*.safetensors"))
+    growth = resident_growth(["convert", str(tmp_path / "wide"), "--to", "mla", "--stream", "--calib-text",
+                              str(corpus_file), "--calib-tokens", "256", "--calib-seq-len", "64", "--refine-steps", "3",
+                              "--refine-tokens", "128", "--eval-tokens", "0", "-o", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert growth < 0.5 * size, f"{growth / 1e6:.0f} MB beyond the imports, source {size / 1e6:.0f} MB"

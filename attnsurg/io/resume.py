@@ -1,14 +1,15 @@
 """Streamed surgery that resumes where it stopped.
 
 A layer-by-layer run (``--stream``) of an 8B model takes hours on a CPU and a 70B one days; a run that stops
-(killed, out of memory, the machine went down) would otherwise start again from the first layer. A streamed
-run therefore writes into a state directory beside its target, ``OUT.stream-state``: the output's shards as
-they complete and, after each decoder layer, one checkpoint file holding what the next layer needs: the
-residual streams carried from layer to layer, the finished tensors still waiting for their shard, the layer
-errors so far and a fingerprint of the settings. The checkpoint replaces its predecessor atomically, so a run
-stopped at any moment resumes from the last layer it finished, and writes what an uninterrupted run writes.
-Running the same command again resumes; other settings are refused (or, with ``--overwrite``, start over).
-When the last layer is done the directory gets its config, tokenizer and card and is renamed into place.
+(killed, out of memory, the machine went down) would otherwise start again from the first layer. A streamed run
+therefore writes into a state directory beside its target, ``OUT.stream-state``: the output's shards, each tensor
+into its place as it is made, and, after each decoder layer, one checkpoint file holding what the next layer needs:
+the residual streams carried from layer to layer, which tensors are in place in the shards being filled (and any
+finished tensors waiting in memory for a shard whose shapes come late), the layer errors so far and a fingerprint
+of the settings. The checkpoint replaces its predecessor atomically, so a run stopped at any moment resumes from
+the last layer it finished, and writes what an uninterrupted run writes. Running the same command again resumes;
+other settings are refused (or, with ``--overwrite``, start over). When the last layer is done the directory gets
+its config, tokenizer and card and is renamed into place.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class ResumePoint:
     carried: dict[str, torch.Tensor]  # residual streams, as the next layer receives them
     errors: list  # each finished layer's error record (JSON values)
     written: list[str]  # shard files complete on disk
-    pending: dict[str, torch.Tensor]  # finished tensors whose shard is not complete yet
+    filling: dict[str, list[str]]  # shard files still being filled -> the tensors in place in each
+    pending: dict[str, torch.Tensor]  # finished tensors waiting in memory for their shard
 
 
 class LayerCheckpoints:
@@ -96,19 +98,22 @@ class LayerCheckpoints:
             for name in f.keys():
                 kind = carried if name.startswith(CARRIED) else pending
                 kind[name.split("/", 1)[1]] = f.get_tensor(name)
-        missing = [name for name in progress["written"] if not (self.directory / name).is_file()]
+        filling = progress.get("filling", {})
+        missing = sorted(name for name in [*progress["written"], *filling] if not (self.directory / name).is_file())
         if missing:
             raise UserError(f"'{self.directory}' lacks the shard {missing[0]} its checkpoint lists; remove the "
                             "directory to start over")
-        return ResumePoint(progress["next_layer"], carried, progress["errors"], progress["written"], pending)
+        return ResumePoint(progress["next_layer"], carried, progress["errors"], progress["written"], filling, pending)
 
     def save(self, next_layer: int, carried: dict[str, torch.Tensor], writer: ShardWriter, errors: list) -> None:
         """Record that every layer before ``next_layer`` is done; replaces the previous checkpoint atomically."""
-        written, pending = writer.progress()
+        written, filling, pending = writer.progress()
         tensors = {CARRIED + name: t.detach().cpu().contiguous() for name, t in carried.items()}
         tensors.update({PENDING + name: t for name, t in pending.items()})
-        progress = {"fingerprint": self.fingerprint, "next_layer": next_layer, "errors": errors, "written": written}
-        for name in written:  # on disk before a checkpoint names them, should the machine go down
+        progress = {"fingerprint": self.fingerprint, "next_layer": next_layer, "errors": errors, "written": written,
+                    "filling": filling}
+        writer.sync()  # on disk before a checkpoint names them, should the machine go down
+        for name in written:
             if name not in self.synced:
                 synced_to_disk(self.directory / name)
                 self.synced.add(name)
@@ -236,7 +241,7 @@ def start_stream(reader, top: str, windows: torch.Tensor, writer: ShardWriter, d
     at the embeddings of the calibration ``windows``."""
     point = checkpoints.resume_point() if checkpoints else None
     if point is not None:
-        writer.restore(point.written, point.pending)
+        writer.restore(point.written, point.filling, point.pending)
         ui.info(f"resuming at layer {point.next_layer} of {num_layers} from '{checkpoints.directory}'")
         return StreamStart(point.next_layer, point.carried.pop("stream"), point.carried, point.errors)
     embed = reader.tensor(f"{top}.embed_tokens.weight")  # as stored: no float32 copy of the vocabulary

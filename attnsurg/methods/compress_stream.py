@@ -74,27 +74,27 @@ def compress_streamed(
     config = written_config(source_config, planning, dtype)
     planned = planned_tensors(CLASSES[source_config.model_type][1], config, dtype)
     chosen = isinstance(plan, HeadTensorPlan) and plan.choose_ranks  # shapes known once each layer is done
-    writer = ShardWriter(output, planned, max_shard_size, flexible=factor_names(planned) if chosen else ())
-    start = start_stream(reader, family.layers_path.rsplit(".", 1)[0], windows, writer, dtype, config.tie_word_embeddings,
-                         checkpoints, config.num_hidden_layers)
-    if progress and start.layer:
-        progress(start.layer)
-    inv_freq = rotary_embedding(source_config).inv_freq
-    records, unconverged = list(start.errors), []
-    hooked = (family.attention_attr, f"{family.attention_attr}.{family.o_proj}")
-    for index, layer, (x, o), stream in streamed_layers(reader, source_config, family, start.stream, hooked, device,
-                                                        start.layer):
-        context = LayerContext(getattr(layer, family.attention_attr), x.offloaded(), o.offloaded(), inv_freq,
-                               source_config.num_attention_heads, source_config.num_key_value_heads, windows.shape[1])
-        tensors = operate_layer(plan, family, index, context, seed)
-        records += tensors.records
-        unconverged += tensors.unconverged
-        write_layer(writer, f"{family.layers_path}.{index}.", layer, tensors)
-        if checkpoints:
-            checkpoints.save(index + 1, {"stream": stream}, writer, records)
-        if progress:
-            progress()
-    writer.finish()
+    with ShardWriter(output, planned, max_shard_size, flexible=factor_names(planned) if chosen else ()) as writer:
+        start = start_stream(reader, family.layers_path.rsplit(".", 1)[0], windows, writer, dtype, config.tie_word_embeddings,
+                             checkpoints, config.num_hidden_layers)
+        if progress and start.layer:
+            progress(start.layer)
+        inv_freq = rotary_embedding(source_config).inv_freq
+        records, unconverged = list(start.errors), []
+        hooked = (family.attention_attr, f"{family.attention_attr}.{family.o_proj}")
+        for index, layer, (x, o), stream in streamed_layers(reader, source_config, family, start.stream, hooked, device,
+                                                            start.layer):
+            context = LayerContext(getattr(layer, family.attention_attr), x.offloaded(), o.offloaded(), inv_freq,
+                                   source_config.num_attention_heads, source_config.num_key_value_heads, windows.shape[1])
+            tensors = operate_layer(plan, family, index, context, seed)
+            records += tensors.records
+            unconverged += tensors.unconverged
+            write_layer(writer, f"{family.layers_path}.{index}.", layer, tensors)
+            if checkpoints:
+                checkpoints.save(index + 1, {"stream": stream}, writer, records)
+            if progress:
+                progress()
+        writer.finish()
     warn_capped(plan, unconverged, len(records) - len(start.errors))
     errors = apply_records(plan, records)
     return written_config(source_config, surgery_of(plan, family), dtype), errors

@@ -83,7 +83,8 @@ CHANNEL_DOMINANCES = (32.0, 8.0, 2.0)
 CONSTANT_RIDGE = 1.0
 REFINE_STEP_TOKENS = 512  # tokens per refinement step: whole windows, at least one
 REFINE_STEP_QUERIES = 128  # query positions scored per step; every key and value of the windows is kept
-WINDOWS_PER_CHUNK = 8  # whole-window forwards over the refinement data run this many windows at a time
+WINDOWS_PER_CHUNK = 8  # whole-window forwards over the refinement data run at most this many windows at a time,
+CHUNK_BYTES = 1 << 28  # and fewer when their per-head activations would pass this (wide layers, many heads)
 SCHEDULES = ("constant", "cosine")
 COSINE_FLOOR = 0.1  # the cosine schedule decays the learning rate to this fraction of its peak
 HELD_OUT_CHECK = 10  # refinement checks the held-out error every this many steps
@@ -810,6 +811,13 @@ def sampled_output(attention: DeepseekV3Attention, x: torch.Tensor, rope: tuple[
     return attention.o_proj(output.transpose(1, 2).reshape(batch, len(rows), -1))
 
 
+def windows_at_once(heads: int, length: int, per_position: int) -> int:
+    """Windows per whole-window forward: up to WINDOWS_PER_CHUNK, as many as keep the float32 activations
+    (``per_position`` values per head and position, plus the scores and probabilities) within CHUNK_BYTES."""
+    per_window = 4 * heads * length * (per_position + 2 * length)
+    return max(1, min(WINDOWS_PER_CHUNK, CHUNK_BYTES // per_window))
+
+
 def refine_layer(
     w: MLAWeights, config: DeepseekV3Config, index: int, o_weight: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
     settings: Refinement, token_scale: torch.Tensor | None = None, held_out: int = 0,
@@ -864,9 +872,11 @@ def refine_layer(
         if stop <= start:
             return None
         whole = energy_of(slice(start, stop))
-        chunks = [slice(i, min(i + WINDOWS_PER_CHUNK, stop)) for i in range(start, stop, WINDOWS_PER_CHUNK)]
+        chunks = [slice(i, min(i + at_once, stop)) for i in range(start, stop, at_once)]
         return sum(error_at(checked, chunk, whole).item() * (chunk.stop - chunk.start) for chunk in chunks) / (stop - start)
 
+    at_once = windows_at_once(config.num_attention_heads, length,
+                              2 * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) + config.qk_nope_head_dim)
     checked = random_rows()  # the same rows of every window score the closed form and the refined layer
     scored = []
     for candidate in (w, *alternatives):
@@ -903,7 +913,7 @@ def refine_layer(
         attention = closed_form()
     with torch.no_grad():
         every_row = torch.arange(length, device=device)
-        output = torch.cat([output_at(every_row, slice(i, i + WINDOWS_PER_CHUNK)) for i in range(0, len(x), WINDOWS_PER_CHUNK)])
+        output = torch.cat([output_at(every_row, slice(i, i + at_once)) for i in range(0, len(x), at_once)])
     errors = LayerError(before, error_over(0, train), held_before, error_over(train, x.shape[0]), steps)
     return (weights_of(attention, w) if steps else w), errors, output
 
@@ -982,8 +992,9 @@ class SequentialRefiner:
         """The original attention's output on every window, a few windows at a time."""
         positions, visible = self.layout
         outputs = []
-        for i in range(0, len(x), WINDOWS_PER_CHUNK):
-            chunk = slice(i, i + WINDOWS_PER_CHUNK)
+        at_once = windows_at_once(self.config.num_attention_heads, x.shape[1], 4 * attention.head_dim)
+        for i in range(0, len(x), at_once):
+            chunk = slice(i, i + at_once)
             rope = self.rotary(x[chunk], positions[chunk])
             outputs.append(attention(hidden_states=x[chunk], position_embeddings=rope,
                                      attention_mask=additive_mask(visible[chunk]))[0])

@@ -19,7 +19,7 @@ from transformers import DeepseekV3ForCausalLM, PretrainedConfig
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import streamed_layers
 from attnsurg.io.lazy import CheckpointReader, rotary_embedding
-from attnsurg.io.resume import LayerCheckpoints, start_stream
+from attnsurg.io.resume import LayerCheckpoints, StreamStart, start_stream
 from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.mla import (
     HELD_OUT_SHARE, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state,
@@ -52,34 +52,44 @@ def convert_streamed(
     config.dtype = str(dtype).removeprefix("torch.")
     fitted = deepseek_config(source_config, plan.fitted, rotary.inv_freq)
     fitted._attn_implementation = "sdpa"
-    writer = ShardWriter(output, planned_tensors(DeepseekV3ForCausalLM, config, dtype), max_shard_size)
-    start = start_stream(reader, family.layers_path.rsplit(".", 1)[0], windows, writer, dtype, config.tie_word_embeddings,
-                         checkpoints, config.num_hidden_layers)
-    if progress and start.layer:
-        progress(start.layer)
     refinement = refinement if refinement and refinement.steps else None
-    refiner = None
-    if refinement:
-        keep = min(len(windows), max(1, refinement.tokens // windows.shape[1]))
-        held_out = min(len(windows) - keep, math.ceil(keep * HELD_OUT_SHARE))
-        refiner = SequentialRefiner(rotary, family, start.stream[: keep + held_out].clone(), fitted, held_out, device=device)
-        if start.carried:
-            refiner.resume(start.carried)
-    errors = [LayerError(*error) for error in start.errors]
-    hooked = (family.attention_attr,)
-    for index, layer, (statistics,), stream in streamed_layers(reader, source_config, family, start.stream, hooked,
-                                                               device, start.layer):
-        weights = fit_layer(getattr(layer, family.attention_attr), statistics.sigma, plan, weighted, statistics.sigma_first)
-        if refiner:
-            weights, error = refiner.refine(index, layer, weights, refinement, closed_form_alternatives(weights, plan))
-            errors.append(error)
-        write_layer(writer, f"{family.layers_path}.{index}.", layer, family, weights, plan, dtype)
-        if checkpoints:
-            checkpoints.save(index + 1, {"stream": stream, **(refiner.carried() if refiner else {})}, writer, errors)
-        if progress:
-            progress(note=f"layer error {errors[-1].before:.3f} -> {errors[-1].after:.3f}" if errors else "")
-    writer.finish()
+    with ShardWriter(output, planned_tensors(DeepseekV3ForCausalLM, config, dtype), max_shard_size) as writer:
+        start = start_stream(reader, family.layers_path.rsplit(".", 1)[0], windows, writer, dtype,
+                             config.tie_word_embeddings, checkpoints, config.num_hidden_layers)
+        if progress and start.layer:
+            progress(start.layer)
+        refiner = started_refiner(rotary, family, fitted, start, windows.shape[1], refinement, device)
+        errors = [LayerError(*error) for error in start.errors]
+        hooked = (family.attention_attr,)
+        for index, layer, (statistics,), stream in streamed_layers(reader, source_config, family, start.stream, hooked,
+                                                                   device, start.layer):
+            attention = getattr(layer, family.attention_attr)
+            weights = fit_layer(attention, statistics.sigma, plan, weighted, statistics.sigma_first)
+            if refiner:
+                weights, error = refiner.refine(index, layer, weights, refinement, closed_form_alternatives(weights, plan))
+                errors.append(error)
+            write_layer(writer, f"{family.layers_path}.{index}.", layer, family, weights, plan, dtype)
+            if checkpoints:
+                checkpoints.save(index + 1, {"stream": stream, **(refiner.carried() if refiner else {})}, writer, errors)
+            if progress:
+                progress(note=f"layer error {errors[-1].before:.3f} -> {errors[-1].after:.3f}" if errors else "")
+        writer.finish()
     return config, errors
+
+
+def started_refiner(rotary, family: Family, fitted: PretrainedConfig, start: StreamStart, window: int,
+                    refinement: Refinement | None, device: torch.device | None) -> SequentialRefiner | None:
+    """The refiner for a run starting at ``start``: its windows are the first of the stream (those it trains on,
+    then its held-out ones), and a resumed run carries on with the streams it had."""
+    if not refinement:
+        return None
+    count = len(start.stream)
+    keep = min(count, max(1, refinement.tokens // window))
+    held_out = min(count - keep, math.ceil(keep * HELD_OUT_SHARE))
+    refiner = SequentialRefiner(rotary, family, start.stream[: keep + held_out].clone(), fitted, held_out, device=device)
+    if start.carried:
+        refiner.resume(start.carried)
+    return refiner
 
 
 def write_layer(writer: ShardWriter, prefix: str, layer: torch.nn.Module, family: Family, weights, plan: MLAPlan,

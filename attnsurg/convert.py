@@ -86,6 +86,7 @@ def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
             "norm_channel": plan.exact,
             "format": plan.format,
             "rope_dims": plan.rope_dim,
+            "rope_fold": plan.rope_fold,
             "qk_nope_dim": plan.written_dims[0],
             "v_head_dim": plan.written_dims[1],
             "kv_values_before": plan.original_values,
@@ -100,7 +101,7 @@ def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:
 def plan_request(request: ConvertMLA):
     source, _, anatomy = inspect_model(request.model)
     plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim, request.rope_layout, request.format,
-                    request.engine, request.nope_width)
+                    request.engine, request.nope_width, request.rope_fold)
     return source, anatomy, plan
 
 
@@ -189,10 +190,13 @@ FORMAT_NOTES = {
 }
 
 
-def rope_counts_note(counts: tuple[int, ...]) -> str:
-    if len(set(counts)) == 1:
-        return f"{counts[0]} at each of the {len(counts)} frequencies"
-    return str(list(counts))
+def rope_counts_note(plan: MLAPlan) -> str:
+    counts = plan.counts
+    kept = f"{counts[0]} at each of the {len(counts)}" if len(set(counts)) == 1 else str(list(counts))
+    if plan.rope_fold == 1:
+        return f"RoPE components kept per frequency, highest first: {kept}" + (" frequencies" if len(set(counts)) == 1 else "")
+    return (f"RoPE components kept per group of {plan.rope_fold} neighbouring frequencies (FreqFold: each group "
+            f"rotates at its highest), highest first: {kept}" + (" groups" if len(set(counts)) == 1 else ""))
 
 
 def engine_note(plan: MLAPlan) -> list[str]:
@@ -249,7 +253,7 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"KV budget: {plan.cached_values} of {plan.original_values} values per layer per token "
             f"(latent {plan.kv_rank}{' + 1 norm channel' if plan.exact else ''} + {plan.rope_dim} RoPE dims, "
             f"{plan.format} format, {plan.layout} layout; "
-            f"RoPE components kept per frequency, highest first: {rope_counts_note(plan.counts)})",
+            f"{rope_counts_note(plan)})",
             *engine_note(plan),
             *qk_norm_note(anatomy),
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}"

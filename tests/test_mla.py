@@ -6,6 +6,7 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
@@ -43,21 +44,23 @@ def test_full_budget_is_exact_when_one_kv_head_holds_all_rope():
     assert converted_error(model, plan, ids, refine_steps=10) < 1e-4  # refinement never leaves an exact fit
 
 
-def test_query_mixes_and_moment_at_head_width_equal_the_expanded_query_rows():
+@pytest.mark.parametrize("budget, fold", [(0.5, 1), (0.25, 2), (0.125, 4)])
+def test_query_mixes_and_moment_at_head_width_equal_the_expanded_query_rows(budget, fold):
     model = build_tiny("llama", 384, num_key_value_heads=2)
-    plan = plan_mla(inspect_config(model.config), kv_budget=0.5)
+    plan = plan_mla(inspect_config(model.config), kv_budget=budget, rope_fold=fold)
     attention = model.model.layers[0].self_attn
     D, d, group = model.config.hidden_size, plan.head_dim, plan.num_heads // plan.num_kv_heads
     x = torch.randn(500, D + 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     sigma = x.T @ x / len(x)
     Wq = mla.augmented(attention.q_proj.weight, attention.q_proj.bias).detach()
     Wk = mla.augmented(attention.k_proj.weight, attention.k_proj.bias).detach()
-    bases = mla.rorope_bases(Wk, sigma, plan.num_kv_heads, d)
+    bases = mla.rorope_bases(Wk, sigma, plan)
     _, nope = mla.split_components(plan)
-    expanded = [torch.stack([bases[i][j, h // group] * Wq[mla.frequency_rows(h, i, d)[c]] for j, i, c in nope])
+    expanded = [torch.stack([sum(bases[i][j, m] * Wq[mla.frequency_rows(h, f, d)[c]]
+                                 for m, (g, f) in enumerate(plan.group_members(i)) if g == h // group) for j, i, c in nope])
                 for h in range(plan.num_heads)]
     direct = sum(Q @ sigma @ Q.T for Q in expanded)
-    mixes = mla.query_mixes(bases, nope, plan.num_kv_heads, d)
+    mixes = mla.query_mixes(bases, nope, plan)
     for h, Q in enumerate(expanded):  # T_g W_h is the expanded rows
         torch.testing.assert_close(mixes[h // group] @ Wq[h * d : (h + 1) * d], Q, rtol=0, atol=1e-12)
     torch.testing.assert_close(mla.query_moment(Wq, sigma, mixes, plan), direct, rtol=1e-10, atol=1e-10)
@@ -252,14 +255,44 @@ def test_rope_components_fill_tier_by_tier_from_the_highest_frequency():
     assert flexible.counts == (2, 2, 2, 2, 1, 1, 1, 1) and flexible.nope_key_dim == 32 - 24
 
 
-@pytest.mark.parametrize("family, format", [("llama", "native"), ("llama", "exact"), ("qwen3", "native")])
-def test_error_falls_as_the_latent_grows(family, format):
+@pytest.mark.parametrize("family, format, rope_dim", [("llama", "native", 16), ("llama", "exact", 16), ("qwen3", "native", 16),
+                                                     ("llama", "native", 4)])
+def test_error_falls_as_the_latent_grows(family, format, rope_dim):
     model = with_mean_direction(build_tiny(family, 384, num_key_value_heads=2))
     anatomy = inspect_config(model.config)
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
-    errors = [converted_error(model, plan_mla(anatomy, kv_rank=r, rope_dim=16, format=format), ids, family=family)
-              for r in (4, 16, 32, 48)]
+    plans = [plan_mla(anatomy, kv_rank=r, rope_dim=rope_dim, format=format) for r in (4, 16, 32, 48)]
+    assert {plan.rope_fold for plan in plans} == {16 // rope_dim}  # 4 RoPE dims of head dim 16: FreqFold 4
+    errors = [converted_error(model, plan, ids, family=family) for plan in plans]
     assert errors == sorted(errors, reverse=True), errors
+
+
+def test_freq_fold_keeps_every_fth_frequency_and_spreads_the_pairs_over_the_spectrum():
+    """Two RoPE pairs for eight frequencies: groups of four, each rotating at its highest source frequency,
+    which the written rope_theta gives every engine (theta^(f R / d))."""
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    anatomy = inspect_config(model.config)
+    plan = plan_mla(anatomy, kv_rank=16, rope_dim=4)
+    assert plan.rope_fold == 4 and plan.groups == 2 and plan.counts == (1, 1)
+    assert plan.group_members(1) == [(0, 4), (0, 5), (0, 6), (0, 7), (1, 4), (1, 5), (1, 6), (1, 7)]
+    rope, nope = mla.split_components(plan)
+    assert len(rope) == plan.rope_dim and len(rope) + len(nope) == plan.num_kv_heads * plan.head_dim
+    source_frequencies = model.model.rotary_emb.inv_freq
+    config = mla.deepseek_config(model, plan, source_frequencies)
+    written = DeepseekV3RotaryEmbedding(config).inv_freq
+    torch.testing.assert_close(written, source_frequencies[::4].float(), rtol=1e-6, atol=0)
+    assert mla.rope_frequencies(plan, source_frequencies) == [float(f) for f in source_frequencies[::4]]
+    assert plan_mla(anatomy, kv_budget=0.5).rope_fold == 1  # every frequency has its pair: no fold
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"kv_rank": 16, "rope_dim": 8, "rope_fold": 4}, "at most 2"),
+    ({"kv_rank": 16, "rope_dim": 8, "rope_fold": 2, "layout": "flexible"}, "standard layout only"),
+])
+def test_freq_folds_the_layout_cannot_hold_are_refused(kwargs, fragment):
+    anatomy = inspect_config(build_tiny("llama", 384, num_key_value_heads=2).config)
+    with pytest.raises(UserError, match=fragment):
+        plan_mla(anatomy, **kwargs)
 
 
 def test_native_format_error_is_the_spread_of_its_constant_channel():

@@ -47,6 +47,11 @@ def convert(
         str,
         typer.Option("--rope-layout", help="standard (every engine) or flexible (any frequency, repeats; transformers only)."),
     ] = "standard",
+    rope_fold: Annotated[
+        Optional[int],
+        typer.Option("--rope-fold", help="Neighbouring frequencies sharing one RoPE pair (FreqFold, standard layout). "
+                     "Default: as many as spread the pairs over every frequency (1 at 0.5, 2 at 0.25 for head dim 64)."),
+    ] = None,
     format: Annotated[
         str,
         typer.Option("--format", help="native (no biases, the latent norm fitted: llama.cpp, vLLM, SGLang, transformers) "
@@ -116,6 +121,7 @@ def convert(
         kv_rank=kv_rank,
         rope_dim=rope_dim,
         rope_layout=rope_layout,
+        rope_fold=rope_fold,
         format=format,
         engine=engine,
         nope_width=nope_width,

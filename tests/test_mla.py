@@ -418,6 +418,24 @@ def test_output_keeps_the_source_dtype(tiny_checkpoints, corpus_file, tmp_path):
     assert reloaded.dtype == torch.bfloat16
 
 
+def test_folded_checkpoint_says_so_and_reloads_with_the_folded_frequencies(tiny_checkpoints, corpus_file, tmp_path):
+    request = ConvertMLA(
+        model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])),
+        output=tmp_path / "mla",
+        kv_rank=8,
+        rope_dim=4,
+        refine_steps=0,
+        calibration=Calibration(data=TextData(text=corpus_file, part="calib"), tokens=256, seq_len=64),
+        eval_tokens=0,
+    )
+    run_convert(request)
+    source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
+    fold = source.config.head_dim // 4
+    torch.testing.assert_close(reloaded.model.rotary_emb.inv_freq, source.model.rotary_emb.inv_freq[::fold][:2], rtol=1e-6, atol=0)
+    assert f"group of {fold} neighbouring frequencies (FreqFold" in ModelCard.load(tmp_path / "mla" / "README.md").text
+
+
 def test_cosine_refinement_schedule_decays_to_its_floor_and_constant_stays():
     from attnsurg.methods.mla import COSINE_FLOOR, learning_rate_schedule
 

@@ -191,12 +191,10 @@ FORMAT_NOTES = {
 
 
 def rope_counts_note(plan: MLAPlan) -> str:
-    counts = plan.counts
-    kept = f"{counts[0]} at each of the {len(counts)}" if len(set(counts)) == 1 else str(list(counts))
-    if plan.rope_fold == 1:
-        return f"RoPE components kept per frequency, highest first: {kept}" + (" frequencies" if len(set(counts)) == 1 else "")
-    return (f"RoPE components kept per group of {plan.rope_fold} neighbouring frequencies (FreqFold: each group "
-            f"rotates at its highest), highest first: {kept}" + (" groups" if len(set(counts)) == 1 else ""))
+    counts, unit = plan.counts, "frequency" if plan.rope_fold == 1 else (
+        f"group of {plan.rope_fold} neighbouring frequencies (FreqFold: each group rotates at its highest)")
+    kept = f"{counts[0]} in each" if len(set(counts)) == 1 else str(list(counts))
+    return f"RoPE components kept per {unit}, highest first: {kept}"
 
 
 def engine_note(plan: MLAPlan) -> list[str]:

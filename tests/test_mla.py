@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import causal_mask
+from attnsurg.calibrate import causal_mask, second_moment
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
@@ -608,3 +608,47 @@ def test_refinement_starts_from_the_closed_form_alternative_with_the_lowest_erro
     anatomy = inspect_config(build_tiny("llama", 384, num_key_value_heads=2).config)
     assert mla.closed_form_alternatives(good, plan_mla(anatomy, kv_budget=0.5))
     assert not mla.closed_form_alternatives(good, plan_mla(anatomy, kv_budget=0.5, format="exact"))
+
+
+def test_rope_key_bias_folds_whole_on_fast_pairs_and_drops_on_slow_ones():
+    """The shrinkage of a native-format RoPE key bias: near 1 where the pair turns many times over the span
+    (its bias term varies across keys), near 0 where it barely turns (the softmax is blind to it), monotone
+    between, and a wider spread of the constant channel shrinks more."""
+    frequencies = torch.tensor([1.0, 1e-2, 1e-3, 1e-4, 1e-6])
+    beta = mla.rope_bias_shrinkage(frequencies, spread=0.01, span=1024)
+    assert beta.shape == (10,) and torch.equal(beta[0::2], beta[1::2])  # both rows of a pair alike
+    pairs = beta[0::2]
+    assert pairs[0] > 0.98 and pairs[-1] < 1e-3 and torch.all(pairs[:-1] >= pairs[1:])
+    assert torch.all(mla.rope_bias_shrinkage(frequencies, spread=0.1, span=1024) <= beta)
+
+
+def test_native_fit_shrinks_slow_key_biases_and_errs_less_on_a_biased_model():
+    """A Qwen2-like layer whose key bias sits on its slowest RoPE frequencies (as Qwen2.5's does): folded whole
+    through the fitted constant channel, the bias carries the channel's spread into every score; shrunk, the
+    layer's output is closer to the original's. A model without biases gets the very same weights."""
+    rope = {"rope_type": "default", "rope_theta": 1e6}  # Qwen2.5's: the slow half barely turns over a context
+    model = with_mean_direction(build_tiny("qwen2", 384, num_key_value_heads=2, rope_parameters=rope), 1.0)
+    attn = model.model.layers[0].self_attn
+    d = model.config.head_dim
+    with torch.no_grad():
+        bias = attn.k_proj.bias.view(2, 2, d // 2)  # [KV head, pair part, frequency]
+        bias.zero_()
+        bias[..., d // 4:] = 20.0  # the slower half of the frequencies
+    plan = plan_mla(inspect_config(model.config), kv_budget=1.0)  # nothing compressed: the format alone
+    x, attn, target = first_layer_on_windows(model, 4)
+    sigma = second_moment(x)
+    config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
+    config._attn_implementation = "sdpa"
+    rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(x.shape[1])[None])
+
+    def error(w) -> float:
+        output = sampled_output(mla.mla_attention(config, 0, w, attn.o_proj.weight), x, rope, torch.arange(x.shape[1]))
+        return float((output - target)[:, 1:].pow(2).sum().detach() / target[:, 1:].pow(2).sum())
+
+    inv_freq = model.model.rotary_emb.inv_freq
+    whole, shrunk = fit_layer(attn, sigma, plan), fit_layer(attn, sigma, plan, inv_freq=inv_freq)
+    assert error(shrunk) < 0.5 * error(whole), (error(shrunk), error(whole))
+    with torch.no_grad():
+        attn.k_proj.bias.zero_()
+    unbiased = fit_layer(attn, sigma, plan)
+    assert torch.equal(unbiased.kv_a_weight, fit_layer(attn, sigma, plan, inv_freq=inv_freq).kv_a_weight)

@@ -204,7 +204,7 @@ def mla_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]
         row = []
         for index, (attention, x, target) in enumerate(zip(attentions, inputs, targets, strict=True)):
             stats = ctx.stats[index][0]
-            converted = mla_attention(config, index, fit_layer(attention, stats.sigma, plan, True, stats.sigma_first),
+            converted = mla_attention(config, index, fit_layer(attention, stats.sigma, plan, True, stats.sigma_first, inv_freq),
                                       attention.o_proj.weight)
             output = sampled_output(converted, x, rope, torch.arange(length))
             # the first token (an attention sink with an outsized output) is left out of both sums

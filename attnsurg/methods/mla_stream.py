@@ -64,7 +64,7 @@ def convert_streamed(
         for index, layer, (statistics,), stream in streamed_layers(reader, source_config, family, start.stream, hooked,
                                                                    device, start.layer):
             attention = getattr(layer, family.attention_attr)
-            weights = fit_layer(attention, statistics.sigma, plan, weighted, statistics.sigma_first)
+            weights = fit_layer(attention, statistics.sigma, plan, weighted, statistics.sigma_first, rotary.inv_freq)
             if refiner:
                 weights, error = refiner.refine(index, layer, weights, refinement, closed_form_alternatives(weights, plan))
                 errors.append(error)

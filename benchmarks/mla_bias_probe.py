@@ -10,7 +10,12 @@ quarter, every layer on the original model's own inputs (no drift carried). Colu
 - t in q: only the query bias rides on a . x;
 - t in k_rope: only the RoPE key's bias does;
 - t in latent: only the latent norm divides the latent by a . x;
-- native: all three (what the native format computes);
+- native: all three (what the native format computed before RoPE key biases were shrunk);
+- k ridge R: the RoPE key's bias alone on a direction fitted with ridge R (the latent channel's is 1.0);
+- k drop w<F: the RoPE key's bias dropped on pairs rotating slower than F, folded whole on the others;
+- k shrink LN / native shrink LN: the bias shrunk per pair (``mla.rope_bias_shrinkage``) over a span of N
+  tokens, alone and with the query and latent folds (what the native format computes now at N = 1024);
+- k drop: the RoPE key's bias dropped everywhere;
 - the share of the layer's output energy the value bias (constant) carries, and the spread of a . x.
 Writes benchmarks/results/mla_bias_probe.json.
 """
@@ -125,10 +130,8 @@ def main() -> None:
             tk = torch.where(freqs < limit, 0.0, t[..., None])
             row[f"k drop w<{limit:g}"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), tk), target)
         var = float(t[:, 1:].var())
-        for span in (128, 512, 2048):
-            half = freqs * span / 2
-            rot = 1 - (torch.sin(half) / half).pow(2)
-            beta = rot / (rot + var)
+        for span in (128, 512, 1024, 2048):
+            beta = mla.rope_bias_shrinkage(freqs[0::2], var, span)
             row[f"k shrink L{span}"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), beta * t[..., None]), target)
             row[f"native shrink L{span}"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, {"q", "latent"}, beta * t[..., None]), target)
         row["k drop"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), torch.zeros_like(t)), target)

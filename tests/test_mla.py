@@ -282,7 +282,7 @@ def test_freq_fold_keeps_every_fth_frequency_and_spreads_the_pairs_over_the_spec
     written = DeepseekV3RotaryEmbedding(config).inv_freq
     torch.testing.assert_close(written, source_frequencies[::4].float(), rtol=1e-6, atol=0)
     assert mla.rope_frequencies(plan, source_frequencies) == [float(f) for f in source_frequencies[::4]]
-    assert plan_mla(anatomy, kv_budget=0.5).rope_fold == 1  # every frequency has its pair: no fold
+    assert plan_mla(anatomy, kv_budget=0.5, rope_dim=16).rope_fold == 1  # every frequency has its pair: no fold
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -652,3 +652,16 @@ def test_native_fit_shrinks_slow_key_biases_and_errs_less_on_a_biased_model():
         attn.k_proj.bias.zero_()
     unbiased = fit_layer(attn, sigma, plan)
     assert torch.equal(unbiased.kv_a_weight, fit_layer(attn, sigma, plan, inv_freq=inv_freq).kv_a_weight)
+
+
+def test_default_rope_width_is_a_third_of_the_budget_whatever_the_number_of_kv_heads():
+    """The widest head_dim / f within a third of the budget: the demo's 3 KV heads at 0.5 keep 64 of 192
+    values, Qwen2.5's 2 at 0.5 keep 32 of 128 (64 would starve the latent, 42 would leave the slow
+    frequencies without a pair); the whole original cache keeps every component."""
+    assert mla.default_rope_dim(192, 64, 64, 384) == 64
+    assert mla.default_rope_dim(128, 64, 64, 256) == 32
+    assert mla.default_rope_dim(64, 64, 64, 256) == 16
+    assert mla.default_rope_dim(4, 64, 64, 256) == 2
+    assert mla.default_rope_dim(96, 64, 64, 384) == 32
+    assert mla.default_rope_dim(256, 64, 64, 256) == 64
+    assert mla.default_rope_dim(512, 64, 128, 512) == 128  # flexible layout, two KV heads, full budget

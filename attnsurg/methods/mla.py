@@ -273,14 +273,20 @@ def engine_problems(plan: MLAPlan, engine: str) -> list[str]:
     return problems
 
 
-def default_rope_dim(values: int, head_dim: int, max_rope: int) -> int:
+def default_rope_dim(values: int, head_dim: int, max_rope: int, original: int) -> int:
     """Every RoPE component when the whole original cache is kept (exact in the flexible layout); otherwise
-    one component per frequency, or a third of the budget when that is less. Measured on the demo model with
-    refinement: at 0.5, 64 RoPE + 128 latent x1.25 vs 96 + 96 x1.36; at 0.25, 32 + 64 x3.32 vs 48 + 48 x3.63
-    vs 16 + 80 x5.57 (2 x 1024 tokens): the latent is worth more than RoPE beyond a third."""
-    if values >= 2 * max_rope:
+    the widest head_dim / f (f = 1, 2, 4, ...: one pair per FreqFold group of f frequencies) within a third of
+    the budget. Measured on the demo model with refinement: at 0.5, 64 RoPE + 128 latent x1.25 vs 96 + 96
+    x1.36; at 0.25, 32 + 64 x3.32 vs 48 + 48 x3.63 vs 16 + 80 x5.57 (2 x 1024 tokens): the latent is worth
+    more than RoPE beyond a third, whatever the number of KV heads. Qwen2.5-Coder-0.5B (2 KV heads) at 0.5 has
+    128 values: 64 RoPE dims x1.81 wiki, x3.47 c4, x3.08 code; 42 (a third, no fold) x1.66, x3.25, x3.25;
+    32 with fold 2 x1.46, x2.46, x2.93."""
+    if values >= original:
         return max_rope
-    return min(head_dim, 2 * (values // 6))
+    width = head_dim
+    while width > 2 and width > 2 * (values // 6):
+        width //= 2
+    return width
 
 
 def default_rope_fold(head_dim: int, rope_dim: int, layout: str) -> int:
@@ -324,7 +330,7 @@ def plan_mla(
         if not 0 < kv_budget <= 1:
             raise UserError(f"--kv-budget must be in (0, 1], got {kv_budget}")
         values = max(2, round(kv_budget * original))
-        rope_dim = default_rope_dim(values, d, max_rope) if rope_dim is None else rope_dim
+        rope_dim = default_rope_dim(values, d, max_rope, original) if rope_dim is None else rope_dim
         kv_rank = values - rope_dim  # the latent-norm channel is one extra value on top of the budget
     rope_dim = d if rope_dim is None else rope_dim
     if rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:

@@ -5,7 +5,7 @@
 
 Six-domain calibration, 8 windows of 512 tokens: each layer fitted (native format, consumer-weighted) on the
 first 6 and scored on the last 2, on the original model's own inputs; prints the mean and worst relative
-output error over layers (the first token left out) and each layer's. The evidence for a per-model planner.
+output error over layers (the first token left out) and each layer's; writes benchmarks/results/mla_split_probe.json.
 """
 
 import sys
@@ -19,6 +19,8 @@ from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla
 from attnsurg.recipe import TextData
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+from common import write_result
 name, budget = sys.argv[1], float(sys.argv[2])
 cands = [tuple(map(int, c.split(":"))) + ((None,) if c.count(":") == 1 else ()) for c in sys.argv[3:]]
 source = resolve_source(name); model, tok = load_model(source), load_tokenizer(source)
@@ -38,6 +40,7 @@ with torch.no_grad():
   for i in range(len(inputs)):
     s = InputStatistics(); s.add(inputs[i][:fit_n]); stats.append(s)
 print("captured", time.time()-t0, flush=True)
+rows = []
 for rope_dim, fold, rank in cands:
   t0=time.time()
   plan = mla.plan_mla(anatomy, None if rank else budget, kv_rank=rank, rope_dim=rope_dim, rope_fold=fold)
@@ -52,3 +55,5 @@ for rope_dim, fold, rank in cands:
       t = targets[i]
       errs.append(float((out - t)[:, 1:].pow(2).sum() / t[:, 1:].pow(2).sum()))
   print(f"rope {rope_dim} fold {fold} latent {plan.kv_rank}: mean {sum(errs)/len(errs):.4f} max {max(errs):.3f} {time.time()-t0:.1f}s", " ".join(f"{e:.2f}" for e in errs), flush=True)
+  rows.append({"rope_dim": rope_dim, "rope_fold": fold, "kv_rank": plan.kv_rank, "mean": sum(errs) / len(errs), "layers": errs})
+write_result("mla_split_probe", {"model": name, "kv_budget": budget, "rows": rows})

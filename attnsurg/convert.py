@@ -139,7 +139,7 @@ def operate(surgery: Surgery, request: ConvertMLA, plan: MLAPlan, report: Conver
         starts = short_prompt_starts(surgery.windows, request.short_prompts, request.seed)
         result = convert(
             surgery.model, surgery.family, surgery.windows, plan, request.weighted, refinement_of(request),
-            progress=advance, starts=starts, device=surgery.device,
+            progress=advance, starts=starts, device=surgery.device, received=request.token_weights == "received",
         )
     report.convert_seconds = time.perf_counter() - started
     report.plan, report.layer_errors = result.plan, result.layer_errors
@@ -164,7 +164,7 @@ def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report:
             written, report.layer_errors = convert_streamed(
                 CheckpointReader(Path(source.path)), config, surgery.family, surgery.windows,
                 report.plan, staging, request.weighted, refinement_of(request), dtype, STREAM_SHARD_SIZE, advance,
-                surgery.device, checkpoints)
+                surgery.device, checkpoints, request.token_weights == "received")
         report.convert_seconds = time.perf_counter() - surgery.started
         finish_streamed(staging, written, source, surgery, mla_card(request, report), recipe)
     report.written = str(request.output)
@@ -256,7 +256,9 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             *qk_norm_note(anatomy),
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}"
             + short_prompts_note(request.short_prompts),
-            f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64; "
+            f"latent fit: closed form, {'consumer-weighted' if request.weighted else 'plain'} PCA in float64"
+            + (", calibration tokens weighted by the attention they receive" if request.token_weights == "received" else "")
+            + "; "
             + (refinement_note(refinement_of(request), calib.tokens) if request.refine_steps else "no refinement")
             + "; " + healing_note(report),
             "perplexity on long windows does not show what short prompts lose (on the demo model at 50% KV, short "

@@ -281,6 +281,7 @@ class MLASettings(Strict):
     engine: Literal["transformers", "llama.cpp", "vllm", "sglang"] | None = None  # refuse what it would not run
     nope_width: Literal["latent", "head"] = "latent"  # head: head_dim-wide no-RoPE heads (fewer parameters)
     weighted: bool = True
+    token_weights: Literal["uniform", "received"] = "uniform"  # received: the cache fitted on the attention each token receives
     refine_steps: int = Field(40, ge=0)
     refine_tokens: int | None = Field(None, gt=0)  # None: the first 2048 calibration tokens, or all when fewer
     refine_lr: float = Field(1e-3, gt=0)

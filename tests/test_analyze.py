@@ -10,7 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from attnsurg.analyze.report import AnalysisReport
-from attnsurg.analyze.sparsity import attention_probabilities, entropy_ratio, sink_mass, top_mass
+from attnsurg.analyze.sparsity import entropy_ratio, sink_mass, top_mass
+from attnsurg.heads import attention_probabilities
 from attnsurg.analyze.spectra import energy_rank, frequency_energy, moment_spectrum
 from attnsurg.cli import app
 
@@ -181,27 +182,6 @@ def test_approx_command_writes_a_report_that_validates(tiny_checkpoints, corpus_
     bad = CliRunner().invoke(app, ["analyze", "approx", str(tiny_checkpoints["llama-gqa"]), "--budgets", "2",
                                    "-o", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "(0, 1]" in bad.output and not (tmp_path / "bad").exists()
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_captured_queries_and_keys_give_the_models_own_attention(family):
-    """What the analyser scores (its queries and keys, after q/k norms and RoPE) is the model's attention."""
-    from attnsurg.analyze.run import head_projections
-    from attnsurg.arch import inspect_config
-
-    model = build_tiny(family, 384, num_key_value_heads=2)
-    model.config._attn_implementation = "eager"
-    ids = torch.randint(0, 384, (1, 24), generator=torch.Generator().manual_seed(0))
-    captured = {}
-    model.model.layers[1].self_attn.register_forward_pre_hook(
-        lambda module, args, kwargs: captured.update(hidden=kwargs["hidden_states"], rope=kwargs["position_embeddings"]),
-        with_kwargs=True)
-    with torch.no_grad():
-        expected = model(ids, output_attentions=True).attentions[1][0]
-        _, _, _, query, key = head_projections(model.model.layers[1].self_attn, inspect_config(model.config),
-                                               captured["hidden"], captured["rope"])
-    probabilities = attention_probabilities(query, key.repeat_interleave(2, dim=0), 16 ** -0.5)
-    torch.testing.assert_close(probabilities, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_sliding_window_bounds_what_each_query_sees_and_how_its_share_is_counted():

@@ -125,9 +125,7 @@ def test_loki_selects_only_inside_a_sliding_layers_window(gemma_checkpoint, corp
 def test_analysis_scores_each_layers_own_attention(gemma_checkpoint):
     """What analyze and plan score (queries and keys through the q/k norms and the layer type's RoPE, the query
     scale, soft-capping, the sliding window) is what the model attends with, in sliding and global layers."""
-    from attnsurg.analyze.run import head_projections
-    from attnsurg.analyze.sparsity import attention_probabilities, layer_masking
-    from attnsurg.arch import inspect_config
+    from attnsurg.heads import attention_probabilities, head_projections, layer_masking
     from attnsurg.arch.families import family_for_surgery
 
     model = load_model(resolve_source(str(gemma_checkpoint)))
@@ -143,7 +141,7 @@ def test_analysis_scores_each_layers_own_attention(gemma_checkpoint):
         for index, layer in enumerate(model.model.layers):
             attention = layer.self_attn
             rope = family.layer_rotary(model, index)(hidden[index], torch.arange(40)[None])
-            _, _, _, query, key = head_projections(attention, inspect_config(model.config), hidden[index], rope)
+            _, _, _, query, key = head_projections(attention, hidden[index], rope)
             probabilities = attention_probabilities(query, key.repeat_interleave(2, dim=0), attention.scaling,
                                                     **layer_masking(attention))
             torch.testing.assert_close(probabilities, expected[index][0], rtol=1e-5, atol=1e-6)

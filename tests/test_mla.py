@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import causal_mask, second_moment
+from attnsurg.calibrate import attention_inputs, causal_mask, input_statistics, second_moment
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
@@ -27,9 +27,10 @@ LLAMA = family_for_surgery("llama")
 QWEN2 = family_for_surgery("qwen2")
 
 
-def converted_error(model, plan, ids, weighted=True, refine_steps=0, family="llama") -> float:
+def converted_error(model, plan, ids, weighted=True, refine_steps=0, family="llama", received=False) -> float:
     windows = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
-    mla = convert(model, family_for_surgery(family), windows, plan, weighted, Refinement(steps=refine_steps)).model
+    mla = convert(model, family_for_surgery(family), windows, plan, weighted, Refinement(steps=refine_steps),
+                  received=received).model
     with torch.no_grad():
         return (mla(ids).logits - model(ids).logits).abs().max().item()
 
@@ -42,6 +43,38 @@ def test_full_budget_is_exact_when_one_kv_head_holds_all_rope():
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
     assert converted_error(model, plan, ids) < 1e-4
     assert converted_error(model, plan, ids, refine_steps=10) < 1e-4  # refinement never leaves an exact fit
+    assert converted_error(model, plan, ids, received=True) < 1e-4  # tokens weighted by the attention they receive
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_cache_fitted_on_received_attention_loses_less_where_the_attention_is(family):
+    """Weighting the tokens by the attention they receive lowers the layer's output error, which is that
+    attention's mix of the values, below the uniform fit's on the same windows; monotone in the budget."""
+    model = build_tiny(family, 384, num_key_value_heads=2)
+    anatomy = inspect_config(model.config)
+    windows = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(1))
+    attentions = [layer.self_attn for layer in model.model.layers]
+    stats = input_statistics(model, attentions, windows, received=attentions)
+    inputs = attention_inputs(model, family_for_surgery(family), windows)
+    rotary = model.model.rotary_emb
+    positions = torch.arange(64)[None]
+
+    def error(budget: float, received: bool) -> float:
+        plan = plan_mla(anatomy, kv_budget=budget, format="exact")
+        config = deepseek_config(model, plan, rotary.inv_freq)
+        rope = DeepseekV3RotaryEmbedding(config)(inputs[0][:1], positions)
+        total = 0.0
+        for index, (attention, s, x) in enumerate(zip(attentions, stats, inputs)):
+            with torch.no_grad():
+                target = attention(hidden_states=x, position_embeddings=rotary(x, positions), attention_mask=causal_mask(64))[0]
+                w = fit_layer(attention, s.sigma, plan, True, s.sigma_first, rotary.inv_freq, s.sigma_received if received else None)
+                out = sampled_output(mla.mla_attention(config, index, w, attention.o_proj.weight), x, rope, torch.arange(64))
+            total += float((out - target).pow(2).sum() / target.pow(2).sum())
+        return total / len(attentions)
+
+    received = [error(budget, True) for budget in (0.25, 0.5, 0.75)]
+    assert all(r < error(budget, False) for r, budget in zip(received, (0.25, 0.5, 0.75)))
+    assert received == sorted(received, reverse=True)
 
 
 @pytest.mark.parametrize("budget, fold", [(0.5, 1), (0.25, 2), (0.125, 4)])

@@ -16,19 +16,20 @@ from attnsurg.methods.mla_stream import convert_streamed
 from conftest import assert_streamed_like_loaded, with_mean_direction
 
 
-@pytest.mark.parametrize("variant,refine_steps", [("llama-gqa", 0), ("qwen2", 5), ("llama-mha", 5)])
-def test_streamed_conversion_equals_the_in_memory_one(variant, refine_steps, tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("variant,refine_steps,received", [("llama-gqa", 0, False), ("qwen2", 5, False), ("llama-mha", 5, False),
+                                                      ("qwen2", 0, True)])
+def test_streamed_conversion_equals_the_in_memory_one(variant, refine_steps, received, tiny_checkpoints, tmp_path):
     source = with_mean_direction(AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant]))
     source.save_pretrained(tmp_path / "source", max_shard_size="60KB")  # sharded: layers span files
     family = family_for_surgery(source.config.model_type)
     plan = plan_mla(inspect_config(source.config), kv_budget=0.5)
     windows = torch.randint(0, source.config.vocab_size, (6, 32), generator=torch.Generator().manual_seed(0))
     refinement = Refinement(refine_steps, tokens=4 * 32)
-    in_memory = convert(source, family, windows, plan, refinement=refinement)
+    in_memory = convert(source, family, windows, plan, refinement=refinement, received=received)
     out = tmp_path / "streamed"
     out.mkdir()
     config, errors = convert_streamed(CheckpointReader(tmp_path / "source"), source.config, family, windows, plan, out,
-                                      refinement=refinement, max_shard_size="60KB")
+                                      refinement=refinement, max_shard_size="60KB", received=received)
     config.save_pretrained(out)
     streamed = AutoModelForCausalLM.from_pretrained(out)
     assert len(errors) == (source.config.num_hidden_layers if refine_steps else 0)

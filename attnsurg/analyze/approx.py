@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnsurg.analyze.sparsity import attention_probabilities
+from attnsurg.heads import attention_probabilities
 from attnsurg.calibrate import visible_keys
 
 BUDGETS = (1 / 16, 1 / 8, 1 / 4)

@@ -41,10 +41,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 
 from attnsurg import ui
 from attnsurg.analyze.report import PlanReport, MethodPlanReport, Anchor, write_json
-from attnsurg.analyze.run import head_projections
-from attnsurg.analyze.sparsity import attention_probabilities, layer_masking, top_mass
+from attnsurg.analyze.sparsity import top_mass
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
+from attnsurg.heads import attention_probabilities, head_projections, layer_masking, softmax_scale
 from attnsurg.calibrate import attention_layers, captured_inputs, causal_mask, input_statistics
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
@@ -142,10 +142,10 @@ def layer_attention(ctx: PlanContext, layer: int, attention, window: torch.Tenso
     """One calibration window's post-RoPE queries and keys [heads, L, d] (keys repeated to the query heads) at
     ``layer``, its attention probabilities as the layer computes them, and the layer's sliding window."""
     rope = ctx.family.layer_rotary(ctx.model, layer)(window[None], torch.arange(window.shape[0])[None])
-    _, _, _, query, key = head_projections(attention, ctx.anatomy, window[None], rope)
+    _, _, _, query, key = head_projections(attention, window[None], rope)
     key = key.repeat_interleave(ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads, dim=0)
     masking = layer_masking(attention)
-    scale = getattr(attention, "scaling", ctx.anatomy.head_dim ** -0.5)
+    scale = softmax_scale(attention)
     return query, key, attention_probabilities(query, key, scale, **masking), masking["window"]
 
 
@@ -204,7 +204,8 @@ def mla_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]
         row = []
         for index, (attention, x, target) in enumerate(zip(attentions, inputs, targets, strict=True)):
             stats = ctx.stats[index][0]
-            converted = mla_attention(config, index, fit_layer(attention, stats.sigma, plan, True, stats.sigma_first, inv_freq),
+            converted = mla_attention(config, index, fit_layer(attention, stats.sigma, plan, True, stats.sigma_first, inv_freq,
+                                                                stats.sigma_received),
                                       attention.o_proj.weight)
             output = sampled_output(converted, x, rope, torch.arange(length))
             # the first token (an attention sink with an outsized output) is left out of both sums

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from attnsurg import ui
 from attnsurg.analyze.report import (
@@ -23,7 +22,7 @@ from attnsurg.analyze.report import (
     Spectrum,
     write_json,
 )
-from attnsurg.analyze.sparsity import TOP_SHARES, attention_probabilities, entropy_ratio, layer_masking, sink_mass, top_mass
+from attnsurg.analyze.sparsity import TOP_SHARES, entropy_ratio, sink_mass, top_mass
 from attnsurg.analyze.spectra import (
     energy_rank,
     frequency_energy,
@@ -35,6 +34,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.calibrate import attention_layers, calibration_windows, run_with_input_hooks
 from attnsurg.errors import UserError
+from attnsurg.heads import attention_probabilities, head_projections, layer_masking, softmax_scale
 from attnsurg.info import inspect_model
 from attnsurg.io.load import resolve_device
 from attnsurg.io.save import staged_checkpoint
@@ -67,25 +67,6 @@ def weight_spectra(attention: nn.Module, anatomy: AttentionAnatomy) -> dict[str,
     return spectra
 
 
-def head_projections(attention: nn.Module, anatomy: AttentionAnatomy, hidden: torch.Tensor,
-                     rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Queries, keys and values per head ([heads, L, d]) from one window's attention input ([1, L, D]), and the
-    queries and keys after RoPE (queries and keys through the layer's q/k norms where it has them, Qwen3)."""
-    x, d = hidden[0].float(), anatomy.head_dim
-    length = x.shape[0]
-
-    def heads(projection: nn.Module, count: int) -> torch.Tensor:
-        return projection(x).view(length, count, d).transpose(0, 1)
-
-    query, key = heads(attention.q_proj, anatomy.num_heads), heads(attention.k_proj, anatomy.num_kv_heads)
-    if getattr(attention, "q_norm", None) is not None:
-        query, key = attention.q_norm(query), attention.k_norm(key)
-    value = heads(attention.v_proj, anatomy.num_kv_heads)
-    cos, sin = rope
-    query_post, key_post = apply_rotary_pos_emb(query[None], key[None], cos, sin)
-    return query, key, value, query_post[0], key_post[0]
-
-
 @dataclass
 class LayerAccumulator:
     """Running sums for one layer over the windows: second moments of keys (before and after RoPE) and
@@ -105,7 +86,7 @@ class LayerAccumulator:
     attention_spectra: list[Spectrum] = field(default_factory=list)
 
     def add(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
-        query, key, value, query_post, key_post = head_projections(self.attention, self.anatomy, hidden, rope)
+        query, key, value, query_post, key_post = head_projections(self.attention, hidden, rope)
         length = query.shape[1]
         self.accumulate("key_pre", torch.einsum("gld,gle->gde", key.double(), key.double()))
         self.accumulate("key_post", torch.einsum("gld,gle->gde", key_post.double(), key_post.double()))
@@ -123,7 +104,7 @@ class LayerAccumulator:
 
     def add_attention(self, query: torch.Tensor, key: torch.Tensor) -> None:
         groups = self.anatomy.num_heads // self.anatomy.num_kv_heads
-        scale = getattr(self.attention, "scaling", self.anatomy.head_dim ** -0.5)
+        scale = softmax_scale(self.attention)
         masking = layer_masking(self.attention)
         probabilities = attention_probabilities(query, key.repeat_interleave(groups, dim=0), scale, **masking)
         top = top_mass(probabilities, TOP_SHARES, window=masking["window"]).double()
@@ -176,7 +157,7 @@ def analyze_layers(model: nn.Module, family: Family, anatomy: AttentionAnatomy, 
     rotaries = [family.layer_rotary(model, i) for i in layers]
     ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def receive(slot: int, hidden: torch.Tensor) -> None:
+    def receive(slot: int, hidden: torch.Tensor, kwargs: dict) -> None:
         if slot not in ropes:
             ropes[slot] = rotaries[slot](hidden, positions)
         accumulators[slot].add(hidden, ropes[slot])
@@ -260,12 +241,12 @@ def captured_heads(loaded: Loaded, layers: list[int]) -> dict[int, tuple[torch.T
     device = next(loaded.model.parameters()).device
     captured = {}
 
-    def receive(slot: int, hidden: torch.Tensor) -> None:
+    def receive(slot: int, hidden: torch.Tensor, kwargs: dict) -> None:
         attention = attentions[layers[slot]]
         rope = loaded.family.layer_rotary(loaded.model, layers[slot])(hidden, torch.arange(hidden.shape[1], device=device)[None])
-        _, _, value, query, key = head_projections(attention, a, hidden, rope)
+        _, _, value, query, key = head_projections(attention, hidden, rope)
         groups = a.num_heads // a.num_kv_heads
-        scale = getattr(attention, "scaling", a.head_dim ** -0.5)
+        scale = softmax_scale(attention)
         captured[layers[slot]] = (query.cpu(), key.repeat_interleave(groups, 0).cpu(),
                                   value.repeat_interleave(groups, 0).cpu(), scale)
 

@@ -11,26 +11,6 @@ TOP_SHARES = (0.01, 0.05, 0.1)
 MIN_CONTEXT = 16  # queries that see fewer keys say little about sparsity (their top 1% is one key)
 
 
-def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
-    """Causal softmax attention [..., L, L] from post-RoPE queries [..., L, d] and keys [..., L, d] (keys already
-    repeated to the query heads), in the inputs' dtype; a sliding layer's ``window`` and Gemma 2's ``softcap``
-    as the layer applies them."""
-    scores = (query @ key.transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    return torch.softmax(scores.masked_fill(~visible_keys(query.shape[-2], window, scores.device), float("-inf")), dim=-1)
-
-
-def layer_masking(attention) -> dict:
-    """The window and soft-cap a family's attention module applies (Gemma's, Mistral's and Phi-3's windows, Gemma
-    2's soft-cap), read from its config as attnsurg's own attention reads them, as keyword arguments."""
-    from attnsurg.modeling.modeling_attnsurg import layer_window
-
-    config = attention.config
-    return {"window": layer_window(config, attention.layer_idx), "softcap": getattr(config, "attn_logit_softcapping", None)}
-
-
 def context_sizes(length: int, window: int | None, device=None) -> torch.Tensor:
     """How many keys each of L queries sees."""
     context = torch.arange(1, length + 1, device=device)

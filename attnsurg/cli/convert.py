@@ -77,6 +77,10 @@ def convert(
         bool, typer.Option("--weighted/--unweighted", help="Fit the latent by PCA weighted by what consumes "
                            "it (queries for keys, W_o for values), or plain PCA.")
     ] = True,
+    token_weights: Annotated[
+        str, typer.Option("--token-weights", help="uniform, or received: fit the cache on calibration tokens weighted "
+                          "by the attention they receive (the sink most).")
+    ] = "uniform",
     refine_steps: Annotated[
         int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of one calibration window each) against the original layer's output (0: closed form only).")
     ] = 40,
@@ -126,6 +130,7 @@ def convert(
         engine=engine,
         nope_width=nope_width,
         weighted=weighted,
+        token_weights=token_weights,
         refine_steps=refine_steps,
         refine_tokens=refine_tokens,
         refine_lr=refine_lr,

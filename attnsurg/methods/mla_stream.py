@@ -22,8 +22,8 @@ from attnsurg.io.lazy import CheckpointReader, rotary_embedding
 from attnsurg.io.resume import LayerCheckpoints, StreamStart, start_stream
 from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.mla import (
-    HELD_OUT_SHARE, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state,
-    closed_form_alternatives, deepseek_config, fit_layer, padded_heads,
+    HELD_OUT_SHARE, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state, deepseek_config,
+    layer_closed_forms, padded_heads,
 )
 
 
@@ -42,11 +42,12 @@ def convert_streamed(
     progress=None,
     device: torch.device | None = None,
     checkpoints: LayerCheckpoints | None = None,
+    received: bool = False,
 ) -> tuple[PretrainedConfig, list[LayerError]]:
     """Write the converted model's weights into ``output`` (shards and index; the caller adds config and
     tokenizer) and return its config and each refined layer's errors. ``device``: where the calibration stream
     and refinement run, one layer there at a time. ``checkpoints``: a checkpoint after every layer, and the
-    run resumes from the last one they hold (``io.resume``)."""
+    run resumes from the last one they hold (``io.resume``). ``received``: as in ``mla.convert``."""
     rotary = rotary_embedding(source_config)
     config = deepseek_config(source_config, plan, rotary.inv_freq)
     config.dtype = str(dtype).removeprefix("torch.")
@@ -62,11 +63,11 @@ def convert_streamed(
         errors = [LayerError(*error) for error in start.errors]
         hooked = (family.attention_attr,)
         for index, layer, (statistics,), stream in streamed_layers(reader, source_config, family, start.stream, hooked,
-                                                                   device, start.layer):
+                                                                   device, start.layer, received=hooked if received else ()):
             attention = getattr(layer, family.attention_attr)
-            weights = fit_layer(attention, statistics.sigma, plan, weighted, statistics.sigma_first, rotary.inv_freq)
+            weights, *alternatives = layer_closed_forms(attention, statistics, plan, weighted, rotary.inv_freq)
             if refiner:
-                weights, error = refiner.refine(index, layer, weights, refinement, closed_form_alternatives(weights, plan))
+                weights, error = refiner.refine(index, layer, weights, refinement, alternatives)
                 errors.append(error)
             write_layer(writer, f"{family.layers_path}.{index}.", layer, family, weights, plan, dtype)
             if checkpoints:

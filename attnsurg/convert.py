@@ -114,7 +114,7 @@ def refinement_note(refinement: Refinement, calibration_tokens: int) -> str:
     return (f"then {refinement.steps} Adam steps per layer ({refinement.schedule} learning rate from {refinement.lr:g}), "
             f"each scoring {REFINE_STEP_QUERIES} query positions of the next {REFINE_STEP_TOKENS} of the first "
             f"{min(refinement.tokens, calibration_tokens)} tokens against the original layer's output, relative to the "
-            "original stream's size at each token")
+            "original stream's size at each token; a layer no step helps is retried at a quarter of the rate, twice at most")
 
 
 def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | None = None) -> ConvertReport:

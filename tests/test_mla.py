@@ -589,6 +589,27 @@ def first_layer_closed_form(windows: int):
     return fit_layer(attn, second_moment(x), plan), config, x, attn, target
 
 
+def test_a_learning_rate_that_helps_no_step_is_retried_lower_until_one_does():
+    """At a rate far too large for the layer every step overshoots; refinement backs off by RATE_BACKOFF and
+    keeps the steps of the first rate that lowers the held-out error, recording that rate."""
+    from attnsurg.calibrate import second_moment
+    from attnsurg.methods import mla
+
+    model = build_tiny("llama", 384, num_key_value_heads=2)
+    plan = plan_mla(inspect_config(model.config), kv_budget=0.5, format="exact")
+    x, attn, target = first_layer_on_windows(model, 10)
+    config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
+    config._attn_implementation = "sdpa"
+    start = fit_layer(attn, second_moment(x), plan)
+    assert mla.backoff_rates(1e-3) == [1e-3, 1e-3 / mla.RATE_BACKOFF, 1e-3 / mla.RATE_BACKOFF**2]
+    _, steady, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=3e-3), held_out=2)
+    assert steady.steps > 0 and steady.lr == 3e-3
+    _, backed, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=0.05), held_out=2)
+    assert backed.steps > 0 and backed.lr in mla.backoff_rates(0.05)[1:] and backed.held_after < backed.held_before
+    _, hopeless, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=1e3), held_out=2)
+    assert hopeless.steps == 0 and hopeless.lr is None and hopeless.held_after == pytest.approx(hopeless.held_before)
+
+
 def test_held_out_error_is_relative_to_the_held_out_windows_own_target():
     """A held-out window scores as it would if it were the training windows: a drifted training window with a
     huge target must not make the held-out error look small (it chose when refinement stopped)."""

@@ -10,7 +10,7 @@ from attnsurg.errors import UserError
 from attnsurg.pipeline import domain_texts, scored_text
 from attnsurg.recipe import TextData
 
-from test_cli import fake_assets
+from helpers import fake_assets
 
 
 def test_several_datasets_take_the_windows_in_turn_from_their_calibration_parts(tokenizer, tmp_path, monkeypatch):

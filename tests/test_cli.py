@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 import attnsurg
 from attnsurg.cli import app
 
+from helpers import fake_assets
+
 runner = CliRunner()
 
 
@@ -153,23 +155,6 @@ def test_asset_fetch_impossible(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: network is unreachable"))
     assert_user_error(invoke("assets", "fetch", "c4-sample"), "by hand", str(tmp_path / "downloads"))
     assert_user_error(invoke("assets", "fetch", "imagenet"), "unknown asset")
-
-
-def fake_assets(cache) -> None:
-    """Tiny stand-ins for the built-in texts and the country table, so commands run offline."""
-    text = cache / "text"
-    text.mkdir(parents=True)
-    paragraph = " ".join(["The keeper walked to the lighthouse by the sea and the lighthouse shone."] * 6)
-    wiki = "".join(f'<doc id="{i}">\nTitle {i}\n\n{paragraph} At night he lit the lighthouse.\n</doc>\n' for i in range(8))
-    (text / "wiki.utf8").write_text(wiki, encoding="utf-8")
-    (text / "c4.utf8").write_text("\n".join(f"Web page {i} about gardens and tools." * 40 for i in range(6)), encoding="utf-8")
-    (text / "code.utf8").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" * 30 + "\n\n\n" for i in range(6)))
-    data = cache / "data"
-    data.mkdir()
-    countries = {iso: {"iso": iso, "name": name, "capital": cap, "continentcode": "EU", "population": 10**6}
-                 for iso, name, cap in [("FR", "France", "Paris"), ("DE", "Germany", "Berlin"), ("IT", "Italy", "Rome"),
-                                        ("ES", "Spain", "Madrid"), ("PT", "Portugal", "Lisbon")]}
-    (data / "countries.json").write_text(json.dumps(countries), encoding="utf-8")
 
 
 def test_eval_perplexity_over_domains(tiny_checkpoints, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from attnsurg.cli import app
 from attnsurg.io.load import load_model, resolve_source
 from attnsurg.modeling.modeling_attnsurg import LokiAttention, StackedTuckerAttention
 
-from test_lowrank import remote_code_matches_attnsurg
+from helpers import remote_code_matches_attnsurg
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=384, pad_token_id=0, eos_token_id=0, bos_token_id=0, sliding_window=24)

@@ -15,7 +15,7 @@ from attnsurg.methods.headtensor import compress_head_tensor, plan_head_tensor
 from attnsurg.modeling.modeling_attnsurg import CPProjection, TuckerProjection
 
 from conftest import build_tiny, greedy_decode_matches_recomputation
-from test_lowrank import VOCAB, calibration, held_out, logit_error, remote_code_matches_attnsurg
+from helpers import VOCAB, calibration, held_out, logit_error, remote_code_matches_attnsurg
 
 
 def decomposed(model, family: str, stats, **plan_args):

@@ -357,7 +357,7 @@ def test_a_heal_run_started_again_reuses_the_operated_model(tiny_checkpoints, tm
 
 def test_several_datasets_take_the_training_windows_in_turn(tokenizer, tmp_path, monkeypatch):
     from attnsurg.heal import held_out_windows, training_windows
-    from test_cli import fake_assets
+    from helpers import fake_assets
 
     monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path))
     fake_assets(tmp_path)

@@ -13,7 +13,7 @@ from attnsurg.io.load import load_model, resolve_source
 from attnsurg.methods.loki import apply_loki, parse_top_k, plan_loki, top_k_recall
 
 from conftest import build_tiny, greedy_decode_matches_recomputation
-from test_lowrank import VOCAB, held_out, logit_error
+from helpers import VOCAB, held_out, logit_error
 
 
 def loki_model(model, family: str, rank: int | None, top_k, basis: str = "post-rope", variance: float | None = None):

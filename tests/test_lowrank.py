@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import InputStatistics, attention_layers, input_statistics
+from attnsurg.calibrate import InputStatistics
 from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
@@ -23,30 +23,11 @@ from attnsurg.methods.lowrank import (
 from attnsurg.modeling.modeling_attnsurg import LatentKVAttention, LowRankLinear
 
 from conftest import build_tiny, greedy_decode_matches_recomputation
-
-VOCAB = 384
-
-
-def calibration(model, family: str, n: int = 4, length: int = 64, seed: int = 1):
-    windows = torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
-    attns = attention_layers(model, family_for_surgery(family))
-    stats = input_statistics(model, attns + [a.o_proj for a in attns], windows)
-    return list(zip(stats[: len(attns)], stats[len(attns) :]))
-
-
-def held_out(seed: int = 2) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(seed))
-
+from helpers import VOCAB, calibration, held_out, logit_error, remote_code_matches_attnsurg
 
 def compressed(model, family: str, stats, **plan_args):
     plan = plan_lowrank(inspect_config(model.config), **plan_args)
     return compress(model, family_for_surgery(family), stats, plan, 64).model
-
-
-@torch.no_grad()
-def logit_error(a, b, ids, reduce="max") -> float:
-    diff = a(ids).logits - b(ids).logits
-    return diff.abs().max().item() if reduce == "max" else diff.pow(2).mean().item()
 
 
 @pytest.mark.parametrize("method", ["svd", "asvd", "svdllm"])
@@ -183,35 +164,6 @@ def test_checkpoint_stores_factors_not_dense_weights(written):
     assert not any(k.endswith(("k_proj.weight", "v_proj.weight")) for k in keys)
     assert (written / "modeling_attnsurg.py").is_file() and (written / "attnsurg_recipe.yaml").is_file()
     assert "Ranks per module" in (written / "README.md").read_text()
-
-
-REMOTE_LOAD = """
-import sys, torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-assert "attnsurg" not in sys.modules and type(model).__module__.startswith("transformers_modules")
-ids = torch.load(sys.argv[2], weights_only=True)
-with torch.no_grad():
-    save_file({"logits": model(ids).logits.contiguous()}, sys.argv[3])
-"""
-
-
-def remote_code_matches_attnsurg(checkpoint, tmp_path) -> bool:
-    """A separate interpreter without attnsurg loads ``checkpoint`` through its copied modeling file, and its
-    logits on held-out ids equal those of attnsurg's own loader bit for bit."""
-    import subprocess
-    import sys
-
-    from safetensors.torch import load_file
-
-    ours = load_model(resolve_source(str(checkpoint)))
-    ids = held_out()
-    torch.save(ids, tmp_path / "ids.pt")
-    subprocess.run([sys.executable, "-c", REMOTE_LOAD, str(checkpoint), str(tmp_path / "ids.pt"), str(tmp_path / "logits.safetensors")],
-                   check=True, cwd=tmp_path, env={"HF_HOME": str(tmp_path / "hf"), "PATH": ""})
-    with torch.no_grad():
-        return torch.equal(load_file(tmp_path / "logits.safetensors")["logits"], ours(ids).logits)
 
 
 def test_loads_with_remote_code_and_with_attnsurg_alike(written, tmp_path):

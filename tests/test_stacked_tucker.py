@@ -16,7 +16,7 @@ from attnsurg.methods.stacked_tucker import compress_stacked_tucker, plan_stacke
 from attnsurg.modeling.modeling_attnsurg import StackedTuckerAttention
 
 from conftest import build_tiny, greedy_decode_matches_recomputation
-from test_lowrank import VOCAB, calibration, held_out, logit_error, remote_code_matches_attnsurg
+from helpers import VOCAB, calibration, held_out, logit_error, remote_code_matches_attnsurg
 
 ALL = ("q", "k", "v", "o")
 

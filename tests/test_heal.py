@@ -247,19 +247,6 @@ def test_two_processes_share_the_steps_and_one_writes(tiny_checkpoints, corpus_f
     assert (tmp_path / "healed" / "config.json").is_file()
 
 
-def test_heal_command_defaults_are_the_recipe_defaults():
-    """`attnsurg heal` and a `heal:` recipe step with the same fields left out must train alike."""
-    import inspect
-
-    from attnsurg.cli.heal import heal
-
-    command = inspect.signature(heal).parameters
-    shared = set(command) & set(HealSettings.model_fields) - {"teacher", "eval_tokens"}
-    assert {"seq_len", "lr", "tokens", "train", "warmup", "schedule"} <= shared
-    for name in shared:
-        assert command[name].default == HealSettings.model_fields[name].default, name
-
-
 def test_gradient_checkpointing_trains_the_same_weights(teacher_and_tokenizer, corpus_file, tmp_path):
     """Activations recomputed in the backward pass instead of kept: the same steps, the same result."""
     teacher, tokenizer = teacher_and_tokenizer

@@ -6,10 +6,11 @@ import functools
 import io
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Optional
 
 import typer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -19,6 +20,14 @@ import attnsurg
 from attnsurg import ui
 from attnsurg.errors import UserError
 from attnsurg.recipe import EVAL_DOMAINS
+
+
+def defaults_of(settings: type[BaseModel]) -> SimpleNamespace:
+    """A settings model's field defaults by name: a command's options default to them, so the command and a
+    recipe that leaves the same fields out run alike."""
+    return SimpleNamespace(**{name: field.get_default(call_default_factory=True)
+                              for name, field in settings.model_fields.items() if not field.is_required()})
+
 
 app = typer.Typer(
     help="Attention surgery for pretrained causal language models.",

@@ -25,15 +25,18 @@ from attnsurg.cli.common import (
     TrustRemoteCode,
     app,
     calibration_from,
+    defaults_of,
     eval_domains_from,
     user_errors,
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
+from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank
 
 LOW_RANK_METHODS = ("svd", "asvd", "svdllm")
 TENSOR_METHODS = ("tucker", "cp")
 SPARSE_METHODS = ("loki",)
+LOWRANK, TENSOR, LOKI = (defaults_of(settings) for settings in (CompressLowRank, CompressHeadTensor, CompressLoki))
 
 
 @app.command()
@@ -49,27 +52,27 @@ def compress(
         Optional[float],
         typer.Option("--ratio", help="Fraction of the targeted projections' parameters kept, in (0, 1]; "
                      "with --kv-latent, the fraction of the KV cache kept."),
-    ] = None,
+    ] = LOWRANK.ratio,
     rank: Annotated[
         Optional[int], typer.Option("--rank", help="One rank for every targeted projection (low rank, cp; instead of --ratio).")
-    ] = None,
+    ] = LOWRANK.rank,
     ranks: Annotated[
         Optional[str], typer.Option("--ranks", help="Tucker mode ranks heads,head_dim,hidden; with --stacked head_dim,hidden (instead of --ratio).")
-    ] = None,
+    ] = TENSOR.ranks,
     top_k: Annotated[
         Optional[str], typer.Option("--top-k", help="Loki: keys kept per query, a count (64) or a fraction of the context (0.25, 1/4).")
-    ] = None,
-    basis: Annotated[str, typer.Option("--basis", help="Loki: PCA of post-rope (default) or pre-rope keys.")] = "post-rope",
+    ] = LOKI.top_k,
+    basis: Annotated[str, typer.Option("--basis", help="Loki: PCA of post-rope (default) or pre-rope keys.")] = LOKI.basis,
     variance: Annotated[
         Optional[float],
         typer.Option("--variance", help="Loki: per-layer ranks keeping this share of the key variance (instead of --rank)."),
-    ] = None,
+    ] = LOKI.variance,
     kv_latent: Annotated[
         bool, typer.Option("--kv-latent", help="k and v share one cached latent per layer (a real KV-cache saving; --targets k,v).")
-    ] = False,
+    ] = LOWRANK.kv_latent,
     allocate: Annotated[
         bool, typer.Option("--allocate", help="Spread the budget over layers and projections by truncation energy, not uniformly.")
-    ] = False,
+    ] = LOWRANK.allocate,
     weighted: Annotated[
         Optional[bool],
         typer.Option("--weighted/--unweighted", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm, tucker, cp."),
@@ -77,36 +80,30 @@ def compress(
     stacked: Annotated[
         bool, typer.Option("--stacked", help="Tucker: q, k, v, o of a layer in one decomposition, factors shared "
                            "across heads and projections (TensorLLM); --ranks head_dim,hidden.")
-    ] = False,
+    ] = TENSOR.stacked,
     stream: Annotated[
         bool, typer.Option("--stream", help="One source layer in memory at a time, written "
                            "straight to the output (models larger than memory; needs a local safetensors directory; "
                            "svd, asvd, svdllm: uniform ranks; nothing scored).")
-    ] = False,
+    ] = LOWRANK.stream,
     calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
     calib_seq_len: CalibSeqLen = 512,
-    eval_tokens: EvalTokens = 2048,
+    eval_tokens: EvalTokens = LOWRANK.eval_tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
-    overwrite: Overwrite = False,
-    seed: Seed = 0,
-    device: Device = "auto",
+    overwrite: Overwrite = LOWRANK.overwrite,
+    seed: Seed = LOWRANK.seed,
+    device: Device = LOWRANK.device,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Compress attention projections (low rank or tensor-decomposed) and write a new checkpoint."""
     from attnsurg.methods.lowrank import parse_targets
-    from attnsurg.recipe import (
-        CompressHeadTensor,
-        CompressLoki,
-        CompressLowRank,
-        ModelRef,
-        Recipe,
-    )
+    from attnsurg.recipe import ModelRef, Recipe
 
     methods = LOW_RANK_METHODS + TENSOR_METHODS + SPARSE_METHODS
     if method not in methods:

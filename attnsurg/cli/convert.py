@@ -25,50 +25,54 @@ from attnsurg.cli.common import (
     TrustRemoteCode,
     app,
     calibration_from,
+    defaults_of,
     eval_domains_from,
     user_errors,
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
+from attnsurg.recipe import ConvertMLA
+
+MLA = defaults_of(ConvertMLA)
 
 
 @app.command()
 @user_errors
 def convert(
     model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
-    to: Annotated[str, typer.Option("--to", help="Target attention: mla.")] = "mla",
+    to: Annotated[str, typer.Option("--to", help="Target attention: mla.")] = MLA.to,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
     kv_budget: Annotated[
         Optional[float], typer.Option("--kv-budget", help="Fraction of the original KV cache per token (default 0.5).")
-    ] = None,
-    kv_rank: Annotated[Optional[int], typer.Option("--kv-rank", help="Latent rank (instead of --kv-budget).")] = None,
-    rope_dim: Annotated[Optional[int], typer.Option("--rope-dim", help="Dims of the shared RoPE key (even, <= head dim).")] = None,
+    ] = MLA.kv_budget,
+    kv_rank: Annotated[Optional[int], typer.Option("--kv-rank", help="Latent rank (instead of --kv-budget).")] = MLA.kv_rank,
+    rope_dim: Annotated[Optional[int], typer.Option("--rope-dim", help="Dims of the shared RoPE key (even, <= head dim).")] = MLA.rope_dim,
     rope_layout: Annotated[
         str,
         typer.Option("--rope-layout", help="standard (every engine) or flexible (any frequency, repeats; transformers only)."),
-    ] = "standard",
+    ] = MLA.rope_layout,
     rope_fold: Annotated[
         Optional[int],
         typer.Option("--rope-fold", help="Neighbouring frequencies sharing one RoPE pair (FreqFold, standard layout). "
                      "Default: as many as spread the pairs over every frequency (1 at 0.5, 2 at 0.25 for head dim 64)."),
-    ] = None,
+    ] = MLA.rope_fold,
     format: Annotated[
         str,
         typer.Option("--format", help="native (no biases, the latent norm fitted: llama.cpp, vLLM, SGLang, transformers) "
                      "or exact (full budget reproduces the source; transformers only)."),
-    ] = "native",
+    ] = MLA.format,
     nope_width: Annotated[
         str,
         typer.Option("--nope-width", help="latent (default: each head's no-RoPE query and key as wide as the latent, "
                      "headroom refinement uses) or head (head_dim wide: the same closed form, far fewer parameters, "
                      "e.g. Llama-3.1-8B at 0.5: 62M instead of 185M attention parameters per layer)."),
-    ] = "latent",
+    ] = MLA.nope_width,
     engine: Annotated[
         Optional[str],
         typer.Option("--engine", help="transformers, llama.cpp, vllm or sglang: refuse, with the reason, a plan that "
                      "engine's DeepSeek path would not run, and lay the checkpoint out for it (vllm: head dims "
                      "zero-padded to its kernel shapes, lm_head untied)."),
-    ] = None,
+    ] = MLA.engine,
     calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
@@ -76,43 +80,43 @@ def convert(
     weighted: Annotated[
         bool, typer.Option("--weighted/--unweighted", help="Fit the latent by PCA weighted by what consumes "
                            "it (queries for keys, W_o for values), or plain PCA.")
-    ] = True,
+    ] = MLA.weighted,
     token_weights: Annotated[
         str, typer.Option("--token-weights", help="uniform, or received: fit the cache on calibration tokens weighted "
                           "by the attention they receive (the sink most).")
-    ] = "uniform",
+    ] = MLA.token_weights,
     refine_steps: Annotated[
         int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of one calibration window each) against the original layer's output (0: closed form only).")
-    ] = 40,
+    ] = MLA.refine_steps,
     refine_tokens: Annotated[
         Optional[int], typer.Option("--refine-tokens", help="Calibration tokens used for refinement (default: the first 2048).")
-    ] = None,
-    refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate (the peak, with cosine).")] = 1e-3,
+    ] = MLA.refine_tokens,
+    refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate (the peak, with cosine).")] = MLA.refine_lr,
     refine_schedule: Annotated[
         str, typer.Option("--refine-schedule", help="constant, or cosine (decays to a tenth; pays on long refinements).")
-    ] = "constant",
+    ] = MLA.refine_schedule,
     short_prompts: Annotated[
         float, typer.Option("--short-prompts", help="Share of each calibration window (its end) cut into prompts of "
                             "8-128 tokens of their own (positions restart). Off by default: 0.25 lost short factual "
                             "answers on the demo model.")
-    ] = 0.0,
+    ] = MLA.short_prompts,
     stream: Annotated[
         bool, typer.Option("--stream", help="One source layer in memory at a time, written straight to the "
                            "output (models larger than memory; needs a local safetensors directory; nothing scored).")
-    ] = False,
-    eval_tokens: EvalTokens = 2048,
+    ] = MLA.stream,
+    eval_tokens: EvalTokens = MLA.eval_tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
-    overwrite: Overwrite = False,
-    seed: Seed = 0,
-    device: Device = "auto",
+    overwrite: Overwrite = MLA.overwrite,
+    seed: Seed = MLA.seed,
+    device: Device = MLA.device,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Convert attention to another form and write a new checkpoint (GQA/MHA -> MLA)."""
-    from attnsurg.recipe import ConvertMLA, ModelRef, Recipe
+    from attnsurg.recipe import ModelRef, Recipe
 
     if to != "mla":
         raise UserError(f"--to {to} is not supported; available: mla")

@@ -19,11 +19,15 @@ from attnsurg.cli.common import (
     Seed,
     TrustRemoteCode,
     app,
+    defaults_of,
     eval_domains_from,
     user_errors,
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
+from attnsurg.recipe import HealSettings
+
+HEAL = defaults_of(HealSettings)
 
 
 @app.command()
@@ -34,32 +38,32 @@ def heal(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
     dataset: Annotated[str, typer.Option("--dataset", help="Built-in dataset; its calibration part is used.")] = "wiki-sample",
     text: Annotated[Optional[Path], typer.Option("--text", help="A UTF-8 file to train on instead (used whole).")] = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="Training tokens (the budget).")] = 100_000,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training window.")] = 1024,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per micro-batch (per process).")] = 1,
-    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")] = 1,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).")] = 1.5e-4,
-    schedule: Annotated[str, typer.Option("--schedule", help="cosine, linear or constant (after warmup).")] = "cosine",
-    warmup: Annotated[float, typer.Option("--warmup", help="Fraction of the steps spent warming up.")] = 0.05,
-    kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of KL(teacher || student).")] = 1.0,
-    lm_weight: Annotated[float, typer.Option("--lm-weight", help="Weight of the next-token loss.")] = 0.0,
+    tokens: Annotated[int, typer.Option("--tokens", help="Training tokens (the budget).")] = HEAL.tokens,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training window.")] = HEAL.seq_len,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per micro-batch (per process).")] = HEAL.batch_size,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")] = HEAL.grad_accum,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).")] = HEAL.lr,
+    schedule: Annotated[str, typer.Option("--schedule", help="cosine, linear or constant (after warmup).")] = HEAL.schedule,
+    warmup: Annotated[float, typer.Option("--warmup", help="Fraction of the steps spent warming up.")] = HEAL.warmup,
+    kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of KL(teacher || student).")] = HEAL.kl_weight,
+    lm_weight: Annotated[float, typer.Option("--lm-weight", help="Weight of the next-token loss.")] = HEAL.lm_weight,
     hidden_weight: Annotated[
         float, typer.Option("--hidden-weight", help="Weight of the residual-stream match after every layer (0: off).")
-    ] = 0.0,
-    temperature: Annotated[float, typer.Option("--temperature", help="Distillation temperature.")] = 1.0,
-    train: Annotated[str, typer.Option("--train", help="attention (the new or changed attention parameters) or all.")] = "attention",
+    ] = HEAL.hidden_weight,
+    temperature: Annotated[float, typer.Option("--temperature", help="Distillation temperature.")] = HEAL.temperature,
+    train: Annotated[str, typer.Option("--train", help="attention (the new or changed attention parameters) or all.")] = HEAL.train,
     eval_every: Annotated[
         int, typer.Option("--eval-every", help="Held-out ppl (on --eval-tokens) every N steps (0: only at the end).")
-    ] = 0,
-    save_every: Annotated[int, typer.Option("--save-every", help="Save resumable state every N steps.")] = 25,
-    mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="auto (bf16 on a GPU), no, bf16, fp16.")] = "auto",
+    ] = HEAL.eval_every,
+    save_every: Annotated[int, typer.Option("--save-every", help="Save resumable state every N steps.")] = HEAL.save_every,
+    mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="auto (bf16 on a GPU), no, bf16, fp16.")] = HEAL.mixed_precision,
     gradient_checkpointing: Annotated[
         bool, typer.Option("--gradient-checkpointing", help="Recompute each layer's activations in the "
                            "backward pass instead of keeping them: less memory for about a third more time.")
-    ] = False,
+    ] = HEAL.gradient_checkpointing,
     eval_tokens: Annotated[
         int, typer.Option("--eval-tokens", help="Tokens of the dataset's eval part (a --text file: its start) scored before/after (0: skip).")
-    ] = 2048,
+    ] = HEAL.eval_tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
@@ -76,7 +80,6 @@ def heal(
     from attnsurg.recipe import (
         Calibration,
         Evaluation,
-        HealSettings,
         HealStep,
         ModelRef,
         Recipe,

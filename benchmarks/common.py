@@ -62,10 +62,46 @@ def cache_bytes_per_token(model, context: int = 256) -> float:
     return total / context
 
 
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+
+
+def provenance() -> dict:
+    """Where a result comes from: the commit (and whether the tree had uncommitted changes), the library
+    versions, the machine (cores, torch threads, device) and the time, so a figure in the docs traces to a run."""
+    import datetime
+    import importlib.metadata
+    import os
+    import platform
+    import subprocess
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=HERE)
+        except FileNotFoundError:  # no git on this machine
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    versions = {}
+    for package in ("attnsurg", "torch", "transformers", "accelerate", "tensorly", "safetensors"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"python": platform.python_version(), **versions},
+        "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"},
+    }
+
+
 def write_result(name: str, record, **dumps) -> Path:
-    """Write a benchmark's record to benchmarks/results/NAME.json."""
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    path = results / f"{name}.json"
+    """Write a benchmark's record to benchmarks/results/NAME.json, with its ``provenance``."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    record = {"provenance": provenance(), **record} if isinstance(record, dict) else {"provenance": provenance(), "result": record}
     path.write_text(json.dumps(record, indent=2, **dumps))
     return path

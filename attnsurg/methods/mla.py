@@ -921,7 +921,8 @@ def refine_layer(
     The last ``held_out`` windows are never trained on. With them, the held-out error is checked every
     HELD_OUT_CHECK steps: the weights with the lowest one are kept, and refinement stops once it has not
     fallen for HELD_OUT_PATIENCE checks (early stopping). Without them, the closed form is kept when
-    refinement does not lower the training error.
+    refinement does not lower the training error. When no step lowers the error at ``settings.lr``, refinement
+    starts again from the closed form at each lower ``backoff_rates`` in turn.
 
     Each step takes the next REFINE_STEP_TOKENS worth of training windows in turn and scores
     REFINE_STEP_QUERIES random query positions of them against all their keys and values. On the demo model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -69,7 +70,6 @@ RESULTS = HERE / "results"
 def provenance() -> dict:
     """Where a result comes from: the commit (and whether the tree had uncommitted changes), the library
     versions, the machine (cores, torch threads, device) and the time, so a figure in the docs traces to a run."""
-    import datetime
     import importlib.metadata
     import os
     import platform
@@ -98,10 +98,25 @@ def provenance() -> dict:
     }
 
 
+_STARTED: dict | None = None
+
+
+def record_start() -> None:
+    """Take the provenance now, before the run, so later edits to the tree do not show in this run's record."""
+    global _STARTED
+    _STARTED = provenance()
+
+
 def write_result(name: str, record, **dumps) -> Path:
-    """Write a benchmark's record to benchmarks/results/NAME.json, with its ``provenance``."""
+    """Write a benchmark's record to benchmarks/results/NAME.json, with its ``provenance`` (as taken by
+    ``record_start`` when the benchmark called it, else now) and the time it finished."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    record = {"provenance": provenance(), **record} if isinstance(record, dict) else {"provenance": provenance(), "result": record}
+    finished = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    origin = {**(_STARTED or provenance()), "finished": finished}
+    record = {"provenance": origin, **record} if isinstance(record, dict) else {"provenance": origin, "result": record}
     path.write_text(json.dumps(record, indent=2, **dumps))
     return path
+
+
+record_start()  # a benchmark's provenance is the tree it was started from

@@ -10,7 +10,8 @@ on another model (e.g. the opt-in gemma3-270m; default OUT_DIR out/quality-MODEL
 refuses that model gets a row saying why. A model's scores are kept
 in OUT_DIR/NAME.scores.json and reused by later runs with the same settings, so the slow recipes can be added
 in a second run. Prints one markdown table (perplexity ratios to the original; facts as the share of the
-original's right answers kept; cloze accuracy; passkey retrieval) and writes results/quality_matrix.json.
+original's right answers kept; cloze accuracy; passkey retrieval) and writes results/quality_matrix.json,
+which `benchmarks/results_doc.py` turns into docs/results.md once copied into docs/results/.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from attnsurg.io.load import load_config, resolve_source
 from attnsurg.io.recipe_file import load_recipe, shipped_recipes
 from attnsurg.recipe import MLASettings, ModelRef, PerplexityEval, TasksEval, TextData
 from common import write_result
+from results_doc import matrix_note, matrix_table
 from attnsurg.run import run_recipe
 
 DEMO = "smollm2-135m"
@@ -96,32 +98,6 @@ def row_of(name: str, record: dict, original: dict) -> dict:
     return row
 
 
-def print_table(rows: list[dict], settings: dict) -> None:
-    short = [d.removesuffix("-sample") for d in DOMAINS]
-    tasks = bool(settings["tasks"])
-    header = ["recipe", "KV B/token"] + short + ["worst"]
-    if tasks:
-        header += ["facts 4-way (kept)", "facts greedy (kept)", "cloze acc", "passkey by length"]
-    print("| " + " | ".join(header) + " |")
-    print("|---" * len(header) + "|")
-    for row in rows:
-        if "refused" in row:
-            print(f"| {row['name']} | refused: {row['refused']} |")
-            continue
-        cells = [row["name"], f"{row['kv_bytes_per_token']:,}"]
-        cells += [f"x{row['ratios'][d]:.3f}" for d in DOMAINS]
-        worst = f"x{row['ratios'][row['worst']]:.3f} {row['worst'].removesuffix('-sample')}"
-        cells.append("-" if row["name"] == "original" else worst)
-        if tasks:
-            cells += [f"{value:.3f} ({share:.3f})" for value, share in zip(row["facts"], row["facts_kept"])]
-            cells.append(f"{row['cloze_acc']:.3f}")
-            cells.append(" / ".join(f"{acc:.1f}" for acc in row["passkey"].values()))
-        print("| " + " | ".join(cells) + " |")
-    print(f"\nppl ratios on the first {settings['windows']} x 1024 tokens of each domain's evaluation part, fp32, CPU; "
-          f"passkey lengths {', '.join(rows[0]['passkey']) if tasks else '-'}; the original's ppl per domain: "
-          + ", ".join(f"{d.removesuffix('-sample')} {p:.3f}" for d, p in rows[0]["ppl"].items()))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipes", nargs="*", help="shipped recipe names (default: all)")
@@ -151,7 +127,7 @@ def main() -> None:
         anatomy = inspect_config(load_config(resolve_source(str(checkpoint))))
         record = scores_of(str(checkpoint), settings, out_dir / f"{name}.scores.json")
         rows.append({**row_of(name, record, original), "model_type": anatomy.model_type})
-    print_table(rows, settings)
+    print(matrix_table(rows, settings) + "\n\n" + matrix_note(rows, settings))
     suffix = "" if args.model == DEMO else f"-{label}"
     write_result(f"quality_matrix{suffix}", {"model": args.model, "settings": settings, "rows": rows,
                                             "run_seconds": run_seconds})

@@ -25,3 +25,13 @@ def test_a_result_carries_the_commit_versions_machine_and_date(tmp_path, monkeyp
     assert {"python", "attnsurg", "torch", "transformers"} <= set(origin["versions"])
     assert origin["machine"]["cores"] >= 1 and origin["machine"]["torch_threads"] >= 1 and origin["machine"]["device"]
     assert origin["date"].startswith("20")
+
+
+def test_provenance_taken_at_the_start_is_the_one_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(common, "provenance", lambda: {"commit": "at-start", "date": "2026-01-01T00:00:00+00:00"})
+    common.record_start()
+    monkeypatch.setattr(common, "provenance", lambda: {"commit": "later", "date": "2026-01-02T00:00:00+00:00"})
+    origin = json.loads(common.write_result("check", [1, 2]).read_text())["provenance"]
+    monkeypatch.setattr(common, "_STARTED", None)
+    assert origin["commit"] == "at-start" and origin["finished"] >= origin["date"]

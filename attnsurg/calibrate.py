@@ -1,6 +1,6 @@
 """Calibration: statistics of what attention sees, captured with hooks over calibration text.
 
-Everything is accumulated in float64 on the CPU whatever the model dtype. Inputs are *augmented* with a
+Everything is accumulated in float64 on the compute device whatever the model dtype. Inputs are *augmented* with a
 constant 1 (x~ = [x; 1]), so a single second moment E[x~ x~^T] also carries the mean, and any affine map
 W x + b has output second moment [W b] E[x~ x~^T] [W b]^T: biases need no special case anywhere.
 """

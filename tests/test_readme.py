@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from attnsurg.cli import app
+from attnsurg.cli import app, global_options_first, with_aliases
 from attnsurg.io.assets import COMPLETE_MARKER
 
 from helpers import fake_assets
@@ -82,5 +82,5 @@ def test_the_readme_shows_its_commands():
 def test_every_readme_command_runs(section, demo_cache):
     runner = CliRunner()
     for command in readme_commands(section):
-        result = runner.invoke(app, sized(command))
+        result = runner.invoke(app, with_aliases(global_options_first(sized(command))))  # as main() parses argv
         assert result.exit_code == 0, f"attnsurg {shlex.join(command)}\n{result.output[-3000:]}"

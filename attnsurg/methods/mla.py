@@ -197,9 +197,8 @@ class MLAPlan:
         (head_dim wide) and the latent (kv_rank wide), so the closed form is exact at the narrower of the two:
         ``head`` takes head_dim where that is narrower (``query_mixes``: far fewer parameters, the same
         closed form), ``latent`` the latent's width (the QR reduction), whose extra rank per head refinement
-        uses (on the demo model at 0.5, calibrated on all domains, first 4096 tokens: latent x1.355 wiki, x1.498
-        c4, x1.381 code; head x14.2, x48.1, x1.66, one refined layer blowing up). Never wider than the unrotated
-        key."""
+        uses (on the demo model at 0.5, first 2048 tokens: latent x1.319 wiki, x1.469 c4, x1.300 code; head
+        x1.486, x1.721, x1.482). Never wider than the unrotated key."""
         width = min(self.nope_key_dim, self.kv_rank)
         return min(self.head_dim, width) if self.nope_width == "head" else width
 

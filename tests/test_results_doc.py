@@ -1,0 +1,50 @@
+"""benchmarks/results_doc.py: docs/results.md and README's results table are what the committed runs give."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+spec = importlib.util.spec_from_file_location("results_doc", BENCHMARKS / "results_doc.py")
+results_doc = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = results_doc
+spec.loader.exec_module(results_doc)
+
+SETTINGS = {"windows": 2, "tasks": True}
+
+
+def row(name: str, kv: int, ratios: dict, kept: float) -> dict:
+    worst = max(ratios, key=ratios.get)
+    return {"name": name, "kv_bytes_per_token": kv, "ratios": ratios, "worst": worst, "ppl": {d: 10.0 for d in ratios},
+            "facts": [0.7, 0.4], "facts_kept": [kept, kept], "cloze_acc": 0.4, "passkey": {"512": 1.0, "1024": 0.8}}
+
+
+def run(model: str, *rows: dict) -> dict:
+    return {"model": model, "settings": SETTINGS, "rows": list(rows),
+            "provenance": {"commit": "0123456789abcdef", "date": "2026-12-03T00:00:00+00:00",
+                           "versions": {"torch": "2.13.0", "transformers": "5.0"},
+                           "machine": {"cores": 2, "torch_threads": 2, "device": "cpu"}}}
+
+
+def test_the_summary_gives_kv_worst_and_facts_per_model_and_says_what_was_not_run():
+    original = row("original", 1000, {"wiki-sample": 1.0, "c4-sample": 1.0}, 1.0)
+    demo = run("smollm2-135m", original, row("mla-50", 500, {"wiki-sample": 1.3, "c4-sample": 1.5}, 0.82))
+    other = run("qwen", original, {"name": "mla-50", "refused": "sliding window"}, row("tucker-50", 800, {"wiki-sample": 2.0, "c4-sample": 1.1}, 0.5))
+    table = results_doc.summary_table([demo, other])
+    lines = table.splitlines()
+    assert lines[2] == "| mla-50 | x0.50 · x1.50 c4 · 0.82 | refused |"
+    assert lines[3] == "| tucker-50 | not run | x0.80 · x2.00 wiki · 0.50 |"
+
+
+def test_the_results_page_has_each_model_its_command_and_provenance():
+    original = row("original", 1000, {"wiki-sample": 1.0, "c4-sample": 1.0}, 1.0)
+    page = results_doc.results_doc([run("qwen2.5-coder-0.5b", original, row("mla-50", 500, {"wiki-sample": 1.3, "c4-sample": 1.5}, 0.8))])
+    assert "## qwen2.5-coder-0.5b" in page and "quality_matrix.py --model qwen2.5-coder-0.5b" in page
+    assert "commit `0123456789`" in page and "| mla-50 | 500 | x1.300 | x1.500 | x1.500 c4 |" in page
+
+
+def test_the_committed_docs_match_the_committed_runs():
+    runs = results_doc.load_runs()
+    assert runs, "docs/results/ holds no quality_matrix*.json"
+    assert results_doc.DOC.read_text() == results_doc.results_doc(runs)
+    assert results_doc.README.read_text() == results_doc.with_summary(results_doc.README.read_text(), runs)

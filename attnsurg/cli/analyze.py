@@ -19,6 +19,9 @@ from attnsurg.cli.common import (
     CalibText,
     CalibTokens,
     DEFAULT_EVAL_DOMAINS,
+    EVALUATION,
+    MARKUP,
+    PLAN,
     Device,
     JsonFlag,
     Overwrite,
@@ -26,6 +29,7 @@ from attnsurg.cli.common import (
     app,
     out,
     eval_domains_from,
+    examples,
     user_errors,
 )
 from attnsurg.errors import UserError
@@ -59,15 +63,19 @@ class DefaultReport(TyperGroup):
 
 
 analyze_app = typer.Typer(
-    cls=DefaultReport, no_args_is_help=True,
-    help="The numerical lens on a model's attention: `attnsurg analyze MODEL -o DIR` (spectra, RoPE energy, "
-         "sparsity) and `attnsurg analyze approx MODEL -o DIR` (the survey's approximations at equal budgets).")
+    cls=DefaultReport, no_args_is_help=True, rich_markup_mode=MARKUP,
+    help="The numerical lens on attention: spectra, approximations, budgets.",
+    epilog=examples("attnsurg analyze smollm2-135m -o out/analysis",
+                    "attnsurg analyze approx smollm2-135m -o out/approx",
+                    "attnsurg analyze plan smollm2-135m --target-ratio 1.3 -o out/plan", guide="analyze.md"))
 app.add_typer(analyze_app, name="analyze")
 
-ModelArgument = Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")]
-Dataset = Annotated[str, typer.Option("--dataset", help="Built-in dataset (its calibration part is read), a comma list, or all.")]
-TextFile = Annotated[Path | None, typer.Option("--text", help="A UTF-8 file to read instead.")]
-SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per window.")]
+ModelArgument = Annotated[str, typer.Argument(help="Checkpoint directory, .gguf, hub id or built-in name.")]
+DATA, ANALYSIS = "Data", "Analysis"
+Dataset = Annotated[str, typer.Option("--dataset", help="Built-in texts (comma list) or all.", rich_help_panel=DATA)]
+TextFile = Annotated[Path | None, typer.Option("--text", help="A UTF-8 file to read instead.", rich_help_panel=DATA)]
+SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per window.", rich_help_panel=DATA)]
+Layers = Annotated[str, typer.Option("--layers", help="all, or layers such as 0,4,8-11.", rich_help_panel=ANALYSIS)]
 
 
 def text_data(dataset: str, text: Path | None):
@@ -76,24 +84,29 @@ def text_data(dataset: str, text: Path | None):
     return TextData(dataset=None if text else dataset, text=text, part="calib")
 
 
-@analyze_app.command("report")
+@analyze_app.command("report", epilog=examples(
+    "attnsurg analyze smollm2-135m -o out/analysis",
+    "attnsurg analyze report smollm2-135m --layers 0,4,8-11 -o out/layers",
+    guide="analyze.md"))
 @user_errors
 def analyze(
     model: ModelArgument,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Report directory (plots, analysis.json and its schema).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Report directory (plots, analysis.json).")],
     dataset: Dataset = "wiki-sample",
     text: TextFile = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="Tokens the activation spectra are measured on.")] = 8192,
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens the activation spectra are measured on.",
+                                        rich_help_panel=DATA)] = 8192,
     seq_len: SeqLen = 1024,
-    layers: Annotated[str, typer.Option("--layers", help="all, or layers such as 0,4,8-11.")] = "all",
-    attention_windows: Annotated[int, typer.Option("--attention-windows", help="Windows whose attention matrices are analysed.")] = 2,
+    layers: Layers = "all",
+    attention_windows: Annotated[int, typer.Option("--attention-windows", help="Windows whose attention maps are analysed.",
+                                                   rich_help_panel=ANALYSIS)] = 2,
     device: Device = "auto",
     overwrite: Overwrite = False,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Spectra, energy ranks, RoPE energy and sparsity of a model's attention on real text; plots and JSON."""
+    """Spectra, RoPE energy and sparsity of a model's attention: plots and JSON."""
     from attnsurg.analyze import run_analysis
     from attnsurg.recipe import AnalyzeRequest, ModelRef
 
@@ -172,23 +185,28 @@ def parse_budgets(value: str) -> list[float]:
         raise UserError(f"--budgets '{value}': give shares of exact attention's cost, such as 1/16,1/8,1/4") from None
 
 
-@analyze_app.command("approx")
+@analyze_app.command("approx", epilog=examples(
+    "attnsurg analyze approx smollm2-135m -o out/approx",
+    "attnsurg analyze approx smollm2-135m --budgets 1/32,1/8 -o out/approx",
+    guide="analyze.md"))
 @user_errors
 def approx(
     model: ModelArgument,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Report directory (approx.png, approx.json and its schema).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Report directory (approx.png, approx.json).")],
     dataset: Dataset = "wiki-sample",
     text: TextFile = None,
     seq_len: SeqLen = 1024,
-    layers: Annotated[str, typer.Option("--layers", help="all, or layers such as 0,4,8-11 (default: first, middle, last).")] = "",
-    budgets: Annotated[str, typer.Option("--budgets", help="Shares of exact attention's cost.")] = "1/16,1/8,1/4",
+    layers: Annotated[str, typer.Option("--layers", help="all or 0,4,8-11 (default: first, middle, last).",
+                                        rich_help_panel=ANALYSIS)] = "",
+    budgets: Annotated[str, typer.Option("--budgets", help="Shares of exact attention's cost.",
+                                         rich_help_panel=ANALYSIS)] = "1/16,1/8,1/4",
     device: Device = "auto",
     overwrite: Overwrite = False,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Low rank, Nystrom, Performer, LSH, top-k and Loki on the model's own Q, K, V at equal budgets."""
+    """Attention approximations on the model's own Q, K, V at equal budgets."""
     from attnsurg.analyze.run import run_approx
     from attnsurg.recipe import ApproxRequest, ModelRef
 
@@ -207,30 +225,36 @@ def approx(
     out.print(f"Wrote {len(files)} files to {output} in {report.seconds:.0f} s", highlight=False)
 
 
-@analyze_app.command("plan")
+@analyze_app.command("plan", epilog=examples(
+    "attnsurg analyze plan smollm2-135m --target-ratio 1.3 -o out/plan",
+    "attnsurg analyze plan smollm2-135m --methods mla,svdllm --verify -o out/plan",
+    guide="analyze.md"))
 @user_errors
 def plan(
     model: ModelArgument,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Plan directory (plan.json, plan.png, a recipe per method).")],
-    target_ratio: Annotated[float, typer.Option("--target-ratio", help="Largest perplexity ratio to the source allowed.")] = 1.3,
-    methods: Annotated[str, typer.Option("--methods", help="Methods to plan, comma-separated: svd, asvd, svdllm (each also as NAME-allocate: per-layer ranks), loki, loki-variance (per-layer scoring ranks), mla, tucker, cp.")] = "svdllm,loki,mla",
+    output: Annotated[Path, typer.Option("--output", "-o", help="Plan directory (plan.json, plan.png, recipes).")],
+    target_ratio: Annotated[float, typer.Option("--target-ratio", help="Largest perplexity ratio to the source allowed.",
+                                                rich_help_panel=PLAN)] = 1.3,
+    methods: Annotated[str, typer.Option("--methods", help="Comma list of svd, asvd, svdllm, loki, mla, tucker, cp.",
+                                         rich_help_panel=PLAN)] = "svdllm,loki,mla",
     dataset: CalibDataset = "wiki-sample",
     text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
     seq_len: CalibSeqLen = 512,
-    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens of each text's eval part every ratio is scored on.")] = 2048,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Eval-part tokens each ratio is scored on.",
+                                             rich_help_panel=EVALUATION)] = 2048,
     eval_domains: Annotated[str, typer.Option(
-        "--eval-domains", help="Built-in texts scored besides the calibration text's eval part; the target holds for the "
-        "worst of them. 'all' for the six samples, 'none' for the calibration text alone.",
+        "--eval-domains", help="Texts the target must hold on: a comma list, all, none.", rich_help_panel=EVALUATION,
         show_default=", ".join(EVAL_DOMAINS))] = DEFAULT_EVAL_DOMAINS,
-    verify: Annotated[bool, typer.Option("--verify", help="Also convert each chosen budget and measure its ratio.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Also convert each chosen budget and measure it.",
+                                         rich_help_panel=PLAN)] = False,
     device: Device = "auto",
     overwrite: Overwrite = False,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Per method, the smallest budget predicted to stay within a perplexity ratio, and its recipe."""
+    """Per method, the smallest budget predicted within a perplexity ratio."""
     from attnsurg.analyze.plan import parse_methods, run_plan
     from attnsurg.recipe import Calibration, ModelRef, PlanRequest
 

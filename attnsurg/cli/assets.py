@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from attnsurg.cli.common import JsonFlag, assets_app, out, user_errors
+from attnsurg.cli.common import JsonFlag, assets_app, examples, out, user_errors
 from attnsurg.errors import UserError
 
 
@@ -19,7 +19,7 @@ def assets_default(ctx: typer.Context) -> None:
         assets_list()
 
 
-@assets_app.command("list")
+@assets_app.command("list", epilog=examples("attnsurg assets list", "attnsurg assets list --json", guide="models.md"))
 def assets_list(json_output: JsonFlag = False) -> None:
     """List the built-in assets with their cache state."""
     from attnsurg.io.assets import asset_table_rows, cache_dir
@@ -36,10 +36,11 @@ def assets_list(json_output: JsonFlag = False) -> None:
     out.print(table)
 
 
-@assets_app.command("fetch")
+@assets_app.command("fetch", epilog=examples("attnsurg assets fetch", "attnsurg assets fetch smollm2-135m wiki-sample",
+                                             guide="models.md"))
 @user_errors
 def assets_fetch(
-    names: Annotated[Optional[list[str]], typer.Argument(help="Assets to fetch; default all but the opt-in ones.")] = None,
+    names: Annotated[Optional[list[str]], typer.Argument(help="Assets to fetch (default: all but the opt-in ones).")] = None,
 ) -> None:
     """Fetch built-in assets into the cache (verified by SHA-256)."""
     from attnsurg.io.assets import ASSETS, ensure_demo_model, ensure_text

@@ -29,16 +29,41 @@ def defaults_of(settings: type[BaseModel]) -> SimpleNamespace:
                               for name, field in settings.model_fields.items() if not field.is_required()})
 
 
+# Help panels: the same option sits in the same panel in every command. Rich markup keeps the newlines of the
+# epilogs (one example command per line).
+PLAN, CALIBRATION, TRAINING, DISTILLATION, EVALUATION, OUTPUT = (
+    "Plan", "Calibration", "Training", "Distillation", "Evaluation", "Output and safety")
+MARKUP = "rich"
+
+
+def examples(*commands: str, guide: str | None) -> str:
+    """A command's epilog: its example command lines, one per line, then the guide that documents it."""
+    last = f"Guide: docs/{guide}" if guide else "Guides: docs/ (README.md lists them)."
+    return "\n".join(["Examples:", *(f"  {command}" for command in commands), last])
+
+
 app = typer.Typer(
     help="Attention surgery for pretrained causal language models.",
+    epilog=examples("attnsurg info smollm2-135m", "attnsurg convert smollm2-135m --to mla --kv-budget 0.5 -o out/mla50",
+                    "attnsurg eval perplexity smollm2-135m out/mla50 --dataset all", guide=None),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=MARKUP,
 )
-eval_app = typer.Typer(help="Measure models side by side: perplexity on every domain, downstream tasks, speed.", no_args_is_help=True)
-assets_app = typer.Typer(help="Built-in demo model and sample texts, fetched at run time.")
+eval_app = typer.Typer(
+    help="Measure models side by side: perplexity, zero-shot tasks, speed.", no_args_is_help=True,
+    rich_markup_mode=MARKUP,
+    epilog=examples("attnsurg eval perplexity smollm2-135m out/mla50 --dataset all",
+                    "attnsurg eval tasks smollm2-135m out/mla50 --tasks facts,passkey",
+                    "attnsurg eval speed smollm2-135m out/mla50 --context 1024", guide="eval.md"))
+assets_app = typer.Typer(
+    help="Built-in demo model and sample texts, fetched at run time.", rich_markup_mode=MARKUP,
+    epilog=examples("attnsurg assets list", "attnsurg assets fetch smollm2-135m wiki-sample", guide="models.md"))
 app.add_typer(eval_app, name="eval")
-recipe_app = typer.Typer(help="Check recipes and list the ones that ship with attnsurg.", no_args_is_help=True)
+recipe_app = typer.Typer(
+    help="Check recipes and list the ones that ship with attnsurg.", no_args_is_help=True, rich_markup_mode=MARKUP,
+    epilog=examples("attnsurg recipe list", "attnsurg recipe validate mla-50 tucker-50", guide="recipes.md"))
 app.add_typer(assets_app, name="assets")
 app.add_typer(recipe_app, name="recipe")
 
@@ -163,34 +188,40 @@ def quiet_libraries() -> None:
 
 
 TrustRemoteCode = Annotated[
-    bool, typer.Option("--trust-remote-code", help="Allow running modeling code shipped with the checkpoint.")
+    bool, typer.Option("--trust-remote-code", help="Allow running code shipped with the checkpoint.",
+                       rich_help_panel=OUTPUT)
 ]
-AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights.")]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON record instead of a table.")]
+AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights.",
+                                           rich_help_panel=OUTPUT)]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print a JSON record instead of a table.", rich_help_panel=OUTPUT)]
 # Options every surgery command (convert, compress) shares.
-CalibDataset = Annotated[str, typer.Option("--calib-dataset", help="Built-in dataset, a comma list of them, or all (the six "
-                                                                   "domains, windows in turn); their calibration parts are used.")]
-CalibText = Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.")]
-CalibTokens = Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.")]
+CalibDataset = Annotated[str, typer.Option("--calib-dataset", help="Built-in texts (comma list) or all.",
+                                           rich_help_panel=CALIBRATION)]
+CalibText = Annotated[Optional[Path], typer.Option("--calib-text", help="A UTF-8 file to calibrate on instead.",
+                                                   rich_help_panel=CALIBRATION)]
+CalibTokens = Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens.", rich_help_panel=CALIBRATION)]
 CalibSeqLen = Annotated[
-    int, typer.Option("--calib-seq-len", help="Tokens per calibration window (calibrate at the context you will use).")
+    int, typer.Option("--calib-seq-len", help="Tokens per calibration window.", rich_help_panel=CALIBRATION)
 ]
-EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Tokens of the eval part scored before/after (0: skip).")]
+EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Eval-part tokens scored before and after (0: skip).",
+                                         rich_help_panel=EVALUATION)]
 EvalDomains = Annotated[
     str,
-    typer.Option("--eval-domains", help="Built-in texts also scored before/after (their eval parts), comma-separated; "
-                 "'all' for the six samples, 'none' to skip.", show_default=", ".join(EVAL_DOMAINS)),  # spaces: wraps
+    typer.Option("--eval-domains", help="Built-in texts also scored: a comma list, all or none.", rich_help_panel=EVALUATION,
+                 show_default=", ".join(EVAL_DOMAINS)),  # spaces: wraps
 ]
 DEFAULT_EVAL_DOMAINS = ",".join(EVAL_DOMAINS)
-EvalDType = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU), float32, bfloat16, float16.")]
-EvalDevice = Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")]
-DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
-Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
-Seed = Annotated[int, typer.Option("--seed", help="Random seed (calibration sampling, refinement, healing).")]
-Device = Annotated[str, typer.Option("--device", help="Where calibration, refinement, healing and scoring run: auto (a CUDA "
-                                     "GPU when there is one), cpu, cuda or cuda:N. Fitting runs in float64 on the CPU.")]
+EvalDType = Annotated[str, typer.Option("--dtype", help="auto (CPU: fp32), float32, bfloat16, float16.",
+                                        rich_help_panel=OUTPUT)]
+EvalDevice = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.", rich_help_panel=OUTPUT)]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.", rich_help_panel=OUTPUT)]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.",
+                                         rich_help_panel=OUTPUT)]
+Seed = Annotated[int, typer.Option("--seed", help="Random seed of the run (prompt cuts, fits, healing).", rich_help_panel=OUTPUT)]
+Device = Annotated[str, typer.Option("--device", help="auto (a CUDA GPU if any), cpu, cuda or cuda:N.",
+                                     rich_help_panel=OUTPUT)]
 PrintRecipe = Annotated[
-    bool, typer.Option("--print-recipe", help="Print the YAML recipe this command corresponds to (with --dry-run: and stop).")
+    bool, typer.Option("--print-recipe", help="Print this command as a YAML recipe.", rich_help_panel=OUTPUT)
 ]
 
 

@@ -8,8 +8,10 @@ from typing import Annotated, Optional
 import typer
 
 from attnsurg.cli.common import (
-    Device,
+    CALIBRATION,
     DEFAULT_EVAL_DOMAINS,
+    PLAN,
+    Device,
     AllowPickle,
     CalibDataset,
     CalibSeqLen,
@@ -27,6 +29,7 @@ from attnsurg.cli.common import (
     calibration_from,
     defaults_of,
     eval_domains_from,
+    examples,
     user_errors,
 )
 from attnsurg.cli.report import execute
@@ -39,52 +42,59 @@ SPARSE_METHODS = ("loki",)
 LOWRANK, TENSOR, LOKI = (defaults_of(settings) for settings in (CompressLowRank, CompressHeadTensor, CompressLoki))
 
 
-@app.command()
+@app.command(epilog=examples(
+    "attnsurg compress smollm2-135m --method svdllm --ratio 0.5 -o out/svdllm50",
+    "attnsurg compress smollm2-135m --targets k,v --kv-latent --rank 64 -o out/kv",
+    "attnsurg compress smollm2-135m --method tucker --ratio 0.5 -o out/tucker50",
+    "attnsurg compress smollm2-135m -m loki --rank 32 --top-k 0.25 -o out/loki",
+    guide="compress.md (loki: docs/loki.md)"))
 @user_errors
 def compress(
-    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf, hub id or built-in name.")],
     method: Annotated[
-        str, typer.Option("--method", "-m", help="svd, asvd, svdllm (low rank), tucker, cp (tensor) or loki (top-k).")
+        str, typer.Option("--method", "-m", help="svd, asvd, svdllm, tucker, cp or loki (top-k).", rich_help_panel=PLAN)
     ] = "svdllm",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
-    targets: Annotated[str, typer.Option("--targets", help="Projections to factorize, comma-separated from q,k,v,o.")] = "q,k,v,o",
+    targets: Annotated[str, typer.Option("--targets", help="Projections to factorize, from q,k,v,o.",
+                                         rich_help_panel=PLAN)] = "q,k,v,o",
     ratio: Annotated[
         Optional[float],
-        typer.Option("--ratio", help="Fraction of the targeted projections' parameters kept, in (0, 1]; "
-                     "with --kv-latent, the fraction of the KV cache kept."),
+        typer.Option("--ratio", help="Share of the targeted parameters kept, in (0, 1].", rich_help_panel=PLAN),
     ] = LOWRANK.ratio,
     rank: Annotated[
-        Optional[int], typer.Option("--rank", help="One rank for every targeted projection (low rank, cp; instead of --ratio).")
+        Optional[int], typer.Option("--rank", help="One rank for every projection (instead of --ratio).",
+                                    rich_help_panel=PLAN)
     ] = LOWRANK.rank,
     ranks: Annotated[
-        Optional[str], typer.Option("--ranks", help="Tucker mode ranks heads,head_dim,hidden; with --stacked head_dim,hidden (instead of --ratio).")
+        Optional[str], typer.Option("--ranks", help="Tucker ranks heads,head_dim,hidden (or --ratio).",
+                                    rich_help_panel=PLAN)
     ] = TENSOR.ranks,
     top_k: Annotated[
-        Optional[str], typer.Option("--top-k", help="Loki: keys kept per query, a count (64) or a fraction of the context (0.25, 1/4).")
+        Optional[str], typer.Option("--top-k", help="Loki: keys kept per query, a count or a share.",
+                                    rich_help_panel=PLAN)
     ] = LOKI.top_k,
-    basis: Annotated[str, typer.Option("--basis", help="Loki: PCA of post-rope (default) or pre-rope keys.")] = LOKI.basis,
+    basis: Annotated[str, typer.Option("--basis", help="Loki: PCA of post-rope or pre-rope keys.",
+                                       rich_help_panel=PLAN)] = LOKI.basis,
     variance: Annotated[
         Optional[float],
-        typer.Option("--variance", help="Loki: per-layer ranks keeping this share of the key variance (instead of --rank)."),
+        typer.Option("--variance", help="Loki: ranks keeping this share of key variance.", rich_help_panel=PLAN),
     ] = LOKI.variance,
     kv_latent: Annotated[
-        bool, typer.Option("--kv-latent", help="k and v share one cached latent per layer (a real KV-cache saving; --targets k,v).")
+        bool, typer.Option("--kv-latent", help="k and v share one cached latent (--targets k,v).", rich_help_panel=PLAN)
     ] = LOWRANK.kv_latent,
     allocate: Annotated[
-        bool, typer.Option("--allocate", help="Spread the budget over layers and projections by truncation energy, not uniformly.")
+        bool, typer.Option("--allocate", help="Spread the budget by truncation energy.", rich_help_panel=PLAN)
     ] = LOWRANK.allocate,
     weighted: Annotated[
         Optional[bool],
-        typer.Option("--weighted/--unweighted", help="Weight by what consumes each output (queries, keys, W_o). Default: on for svdllm, tucker, cp."),
+        typer.Option("--weighted/--unweighted", help="Consumer-weighted (default on: svdllm, tucker, cp).",
+                     rich_help_panel=CALIBRATION),
     ] = None,
     stacked: Annotated[
-        bool, typer.Option("--stacked", help="Tucker: q, k, v, o of a layer in one decomposition, factors shared "
-                           "across heads and projections (TensorLLM); --ranks head_dim,hidden.")
+        bool, typer.Option("--stacked", help="Tucker: q, k, v, o of a layer in one tensor.", rich_help_panel=PLAN)
     ] = TENSOR.stacked,
     stream: Annotated[
-        bool, typer.Option("--stream", help="One source layer in memory at a time, written "
-                           "straight to the output (models larger than memory; needs a local safetensors directory; "
-                           "svd, asvd, svdllm: uniform ranks; nothing scored).")
+        bool, typer.Option("--stream", help="One layer in memory at a time (local safetensors).", rich_help_panel=PLAN)
     ] = LOWRANK.stream,
     calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
@@ -101,7 +111,7 @@ def compress(
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Compress attention projections (low rank or tensor-decomposed) and write a new checkpoint."""
+    """Compress attention (low rank, tensor or top-k) and write a new checkpoint."""
     from attnsurg.methods.lowrank import parse_targets
     from attnsurg.recipe import ModelRef, Recipe
 

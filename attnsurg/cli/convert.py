@@ -8,8 +8,10 @@ from typing import Annotated, Optional
 import typer
 
 from attnsurg.cli.common import (
-    Device,
+    CALIBRATION,
     DEFAULT_EVAL_DOMAINS,
+    PLAN,
+    Device,
     AllowPickle,
     CalibDataset,
     CalibSeqLen,
@@ -27,6 +29,7 @@ from attnsurg.cli.common import (
     calibration_from,
     defaults_of,
     eval_domains_from,
+    examples,
     user_errors,
 )
 from attnsurg.cli.report import execute
@@ -36,73 +39,75 @@ from attnsurg.recipe import ConvertMLA
 MLA = defaults_of(ConvertMLA)
 
 
-@app.command()
+@app.command(epilog=examples(
+    "attnsurg convert smollm2-135m --to mla --kv-budget 0.5 -o out/mla50",
+    "attnsurg convert smollm2-135m --kv-budget 0.25 --dry-run --print-recipe",
+    "attnsurg convert smollm2-135m --kv-rank 96 --refine-steps 0 -o out/mla-r96",
+    guide="mla.md"))
 @user_errors
 def convert(
-    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")],
-    to: Annotated[str, typer.Option("--to", help="Target attention: mla.")] = MLA.to,
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf, hub id or built-in name.")],
+    to: Annotated[str, typer.Option("--to", help="Target attention: mla.", rich_help_panel=PLAN)] = MLA.to,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
     kv_budget: Annotated[
-        Optional[float], typer.Option("--kv-budget", help="Fraction of the original KV cache per token (default 0.5).")
+        Optional[float], typer.Option("--kv-budget", help="Share of the KV cache kept per token (default 0.5).",
+                                      rich_help_panel=PLAN)
     ] = MLA.kv_budget,
-    kv_rank: Annotated[Optional[int], typer.Option("--kv-rank", help="Latent rank (instead of --kv-budget).")] = MLA.kv_rank,
-    rope_dim: Annotated[Optional[int], typer.Option("--rope-dim", help="Dims of the shared RoPE key (even, <= head dim).")] = MLA.rope_dim,
+    kv_rank: Annotated[Optional[int], typer.Option("--kv-rank", help="Latent rank (instead of --kv-budget).",
+                                                   rich_help_panel=PLAN)] = MLA.kv_rank,
+    rope_dim: Annotated[Optional[int], typer.Option("--rope-dim", help="Dims of the shared RoPE key (even, <= head dim).",
+                                                    rich_help_panel=PLAN)] = MLA.rope_dim,
     rope_layout: Annotated[
         str,
-        typer.Option("--rope-layout", help="standard (every engine) or flexible (any frequency, repeats; transformers only)."),
+        typer.Option("--rope-layout", help="standard, or flexible (transformers only).", rich_help_panel=PLAN),
     ] = MLA.rope_layout,
     rope_fold: Annotated[
         Optional[int],
-        typer.Option("--rope-fold", help="Neighbouring frequencies sharing one RoPE pair (FreqFold, standard layout). "
-                     "Default: as many as spread the pairs over every frequency (1 at 0.5, 2 at 0.25 for head dim 64)."),
+        typer.Option("--rope-fold", help="Neighbouring frequencies per RoPE pair (FreqFold).", rich_help_panel=PLAN),
     ] = MLA.rope_fold,
     format: Annotated[
         str,
-        typer.Option("--format", help="native (no biases, the latent norm fitted: llama.cpp, vLLM, SGLang, transformers) "
-                     "or exact (full budget reproduces the source; transformers only)."),
+        typer.Option("--format", help="native (any engine) or exact (transformers).", rich_help_panel=PLAN),
     ] = MLA.format,
     nope_width: Annotated[
         str,
-        typer.Option("--nope-width", help="latent (default: each head's no-RoPE query and key as wide as the latent, "
-                     "headroom refinement uses) or head (head_dim wide: the same closed form, far fewer parameters, "
-                     "e.g. Llama-3.1-8B at 0.5: 62M instead of 185M attention parameters per layer)."),
+        typer.Option("--nope-width", help="No-RoPE q/k width: latent or head (head_dim).", rich_help_panel=PLAN),
     ] = MLA.nope_width,
     engine: Annotated[
         Optional[str],
-        typer.Option("--engine", help="transformers, llama.cpp, vllm or sglang: refuse, with the reason, a plan that "
-                     "engine's DeepSeek path would not run, and lay the checkpoint out for it (vllm: head dims "
-                     "zero-padded to its kernel shapes, lm_head untied)."),
+        typer.Option("--engine", help="Check and lay out for transformers, llama.cpp, vllm, sglang.",
+                     rich_help_panel=PLAN),
     ] = MLA.engine,
     calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
     calib_tokens: CalibTokens = 4096,
     calib_seq_len: CalibSeqLen = 512,
     weighted: Annotated[
-        bool, typer.Option("--weighted/--unweighted", help="Fit the latent by PCA weighted by what consumes "
-                           "it (queries for keys, W_o for values), or plain PCA.")
+        bool, typer.Option("--weighted/--unweighted", help="Consumer-weighted or plain.",
+                           rich_help_panel=CALIBRATION)
     ] = MLA.weighted,
     token_weights: Annotated[
-        str, typer.Option("--token-weights", help="uniform, or received: fit the cache on calibration tokens weighted "
-                          "by the attention they receive (the sink most).")
+        str, typer.Option("--token-weights", help="uniform or received attention.", rich_help_panel=CALIBRATION)
     ] = MLA.token_weights,
     refine_steps: Annotated[
-        int, typer.Option("--refine-steps", help="Adam steps per layer (128 query positions of one calibration window each) against the original layer's output (0: closed form only).")
+        int, typer.Option("--refine-steps", help="Adam steps per layer (0: off).",
+                          rich_help_panel=CALIBRATION)
     ] = MLA.refine_steps,
     refine_tokens: Annotated[
-        Optional[int], typer.Option("--refine-tokens", help="Calibration tokens used for refinement (default: the first 2048).")
+        Optional[int], typer.Option("--refine-tokens", help="Tokens refined on (default: the first 2048).",
+                                    rich_help_panel=CALIBRATION)
     ] = MLA.refine_tokens,
-    refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement learning rate (the peak, with cosine).")] = MLA.refine_lr,
+    refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement peak learning rate.",
+                                             rich_help_panel=CALIBRATION)] = MLA.refine_lr,
     refine_schedule: Annotated[
-        str, typer.Option("--refine-schedule", help="constant, or cosine (decays to a tenth; pays on long refinements).")
+        str, typer.Option("--refine-schedule", help="constant or cosine (to 1/10).",
+                          rich_help_panel=CALIBRATION)
     ] = MLA.refine_schedule,
     short_prompts: Annotated[
-        float, typer.Option("--short-prompts", help="Share of each calibration window (its end) cut into prompts of "
-                            "8-128 tokens of their own (positions restart). Off by default: 0.25 lost short factual "
-                            "answers on the demo model.")
+        float, typer.Option("--short-prompts", help="Window share cut to short prompts.", rich_help_panel=CALIBRATION)
     ] = MLA.short_prompts,
     stream: Annotated[
-        bool, typer.Option("--stream", help="One source layer in memory at a time, written straight to the "
-                           "output (models larger than memory; needs a local safetensors directory; nothing scored).")
+        bool, typer.Option("--stream", help="One layer in memory at a time (local safetensors).", rich_help_panel=PLAN)
     ] = MLA.stream,
     eval_tokens: EvalTokens = MLA.eval_tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
@@ -115,7 +120,7 @@ def convert(
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Convert attention to another form and write a new checkpoint (GQA/MHA -> MLA)."""
+    """Convert GQA/MHA attention to MLA and write a new checkpoint."""
     from attnsurg.recipe import ModelRef, Recipe
 
     if to != "mla":

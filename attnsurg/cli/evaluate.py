@@ -12,12 +12,15 @@ from rich.table import Table
 from rich.text import Text
 
 from attnsurg.cli.common import (
+    EVALUATION,
+    OUTPUT,
     AllowPickle,
     EvalDevice,
     EvalDType,
     JsonFlag,
     TrustRemoteCode,
     eval_app,
+    examples,
     out,
     user_errors,
 )
@@ -25,31 +28,38 @@ from attnsurg import ui
 from attnsurg.errors import UserError
 
 
-@eval_app.command("perplexity")
+@eval_app.command("perplexity", epilog=examples(
+    "attnsurg eval perplexity smollm2-135m out/mla50",
+    "attnsurg eval perplexity smollm2-135m out/mla50 --dataset all --tokens 2048",
+    "attnsurg eval perplexity smollm2-135m --seq-len 512 --stride 256",
+    guide="eval.md"))
 @user_errors
 def eval_perplexity(
-    models: Annotated[list[str], typer.Argument(help="One or more models; the first is the reference for ratios.")],
-    text: Annotated[Optional[Path], typer.Option("--text", help="A UTF-8 text file to evaluate on (used whole).")] = None,
+    models: Annotated[list[str], typer.Argument(help="Models to score, the first as the reference.")],
+    text: Annotated[Optional[Path], typer.Option("--text", help="A UTF-8 file to score instead (used whole).",
+                                                 rich_help_panel=EVALUATION)] = None,
     dataset: Annotated[
         Optional[str],
-        typer.Option("--dataset", help="Built-in texts, comma-separated: wiki-sample (default), c4-sample, code-sample, "
-                     "technical-sample, multilingual-sample, stories-sample, wikitext2; 'all' for the six samples."),
+        typer.Option("--dataset", help="Built-in texts or all (default: wiki-sample).", rich_help_panel=EVALUATION),
     ] = None,
-    max_length: Annotated[int, typer.Option("--seq-len", "--max-length", help="Window length in tokens (--max-length: the lm-evaluation-harness name).")] = 1024,
+    max_length: Annotated[int, typer.Option("--seq-len", "--max-length", help="Window length in tokens.",
+                                            rich_help_panel=EVALUATION)] = 1024,
     stride: Annotated[
-        Optional[int], typer.Option("--stride", help="Window step; default = max-length (disjoint windows).")
+        Optional[int], typer.Option("--stride", help="Window step (default: the window length).",
+                                    rich_help_panel=EVALUATION)
     ] = None,
-    max_tokens: Annotated[Optional[int], typer.Option("--tokens", "--max-tokens", help="Score only the first N tokens of each text.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")] = 1,
+    max_tokens: Annotated[Optional[int], typer.Option("--tokens", "--max-tokens", help="Score only the first N tokens of each text.",
+                                                      rich_help_panel=EVALUATION)] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.",
+                                            rich_help_panel=EVALUATION)] = 1,
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",
-    seed: Annotated[int, typer.Option("--seed", help="Random seed set before scoring, so a run repeats exactly.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed set before scoring.", rich_help_panel=OUTPUT)] = 0,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Perplexity (token, word, bits per byte) and cost of one or more models on the same windows; with
-    several texts, a model x text table of ratios to the first model with each model's worst text marked."""
+    """Perplexity and cost of one or more models on the same windows."""
     from attnsurg.data import parse_datasets
     from attnsurg.eval.perplexity import run_perplexity
     from attnsurg.recipe import ModelRef, PerplexityEval, TextData
@@ -136,21 +146,29 @@ def domain_table(report) -> Table:
 
 
 # ------------------------------------------------------------------------------------------ eval tasks
-@eval_app.command("tasks")
+@eval_app.command("tasks", epilog=examples(
+    "attnsurg eval tasks smollm2-135m out/mla50",
+    "attnsurg eval tasks smollm2-135m out/mla50 --tasks facts,passkey --limit 100",
+    "attnsurg eval tasks smollm2-135m --tasks passkey --passkey-lengths 512,2048",
+    guide="eval.md"))
 @user_errors
 def eval_tasks(
-    models: Annotated[list[str], typer.Argument(help="One or more models; the first is the reference for 'retained'.")],
-    tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated: facts, cloze, passkey, or none.")] = "facts,cloze,passkey",
+    models: Annotated[list[str], typer.Argument(help="Models to score, the first as the reference.")],
+    tasks: Annotated[str, typer.Option("--tasks", help="Tasks (comma list) or none.",
+                                       rich_help_panel=EVALUATION)] = "facts,cloze,passkey",
     lm_eval: Annotated[
-        Optional[str], typer.Option("--lm-eval", help="lm-evaluation-harness tasks, comma-separated (hellaswag,arc_easy; "
-                                    "needs pip install 'attnsurg[lm-eval]' and the tasks' data).")
+        Optional[str], typer.Option("--lm-eval", help="lm-evaluation-harness tasks, comma-separated.",
+                                    rich_help_panel=EVALUATION)
     ] = None,
     lm_eval_include: Annotated[
-        Optional[Path], typer.Option("--lm-eval-include", help="A folder of extra lm-evaluation-harness task YAML files.")
+        Optional[Path], typer.Option("--lm-eval-include", help="A folder of extra harness task YAML files.",
+                                     rich_help_panel=EVALUATION)
     ] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="At most N items per task (facts, cloze, lm-eval); default all.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="At most N items per task (default: all).",
+                                                 rich_help_panel=EVALUATION)] = None,
     passkey_lengths: Annotated[
-        Optional[str], typer.Option("--passkey-lengths", help="Prompt lengths in tokens, e.g. 512,2048 (default: 512, 1024, ... up to the model's context).")
+        Optional[str], typer.Option("--passkey-lengths", help="Passkey prompt lengths (default: 512, 1024, ...).",
+                                    rich_help_panel=EVALUATION)
     ] = None,
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",
@@ -158,9 +176,7 @@ def eval_tasks(
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Zero-shot tasks scored as lm-evaluation-harness scores them: facts (4-way choice and greedy answer),
-    cloze (last word of a passage), passkey (retrieval from long filler); with the share of the first
-    model's right answers each other model keeps."""
+    """Zero-shot tasks (facts, cloze, passkey) and the share of answers kept."""
     from attnsurg.eval.tasks import parse_tasks, run_tasks
     from attnsurg.recipe import ModelRef, TasksEval
 
@@ -273,22 +289,29 @@ def passkey_table(report) -> Table:
 
 
 # ------------------------------------------------------------------------------------------ eval speed
-@eval_app.command("speed")
+@eval_app.command("speed", epilog=examples(
+    "attnsurg eval speed smollm2-135m out/mla50",
+    "attnsurg eval speed smollm2-135m out/mla50 --context 512,2048 --repeats 5",
+    guide="eval.md"))
 @user_errors
 def eval_speed(
-    models: Annotated[list[str], typer.Argument(help="One or more models; the first is the reference for ratios.")],
-    context: Annotated[str, typer.Option("--context", help="Prompt lengths in tokens, comma-separated.")] = "1024,4096",
-    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Greedy decode steps after each prefill.")] = 64,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed repetitions (medians are reported).")] = 3,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs before the timed ones, per context.")] = 1,
+    models: Annotated[list[str], typer.Argument(help="Models to time, the first as the reference.")],
+    context: Annotated[str, typer.Option("--context", help="Prompt lengths in tokens, comma-separated.",
+                                         rich_help_panel=EVALUATION)] = "1024,4096",
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Greedy decode steps after each prefill.",
+                                            rich_help_panel=EVALUATION)] = 64,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed repetitions (medians are reported).",
+                                         rich_help_panel=EVALUATION)] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs per context before timing.",
+                                        rich_help_panel=EVALUATION)] = 1,
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed of the prompt tokens.", rich_help_panel=OUTPUT)] = 0,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Prefill and decode tokens/s, the KV cache each model really holds, and peak memory, side by side."""
+    """Prefill and decode speed, KV cache held and peak memory, side by side."""
     from attnsurg.eval.speed import run_speed
     from attnsurg.recipe import ModelRef, SpeedEval
 

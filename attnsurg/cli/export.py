@@ -8,24 +8,26 @@ from typing import Annotated, Optional
 
 import typer
 
-from attnsurg.cli.common import JsonFlag, app, out, user_errors
+from attnsurg.cli.common import OUTPUT, JsonFlag, app, examples, out, user_errors
 from attnsurg.errors import UserError
 
 
-@app.command()
+@app.command(epilog=examples("attnsurg export out/mla50 --gguf out/mla50.gguf",
+                             "attnsurg export smollm2-135m --gguf out/smollm2.gguf --dtype f16", guide="serving.md"))
 @user_errors
 def export(
-    model: Annotated[str, typer.Argument(help="Checkpoint directory or built-in name: an MLA conversion (native format) "
-                                              "or an unmodified Llama/Mistral model.")],
+    model: Annotated[str, typer.Argument(help="An MLA conversion (native) or a Llama/Mistral model.")],
     gguf: Annotated[Optional[Path], typer.Option("--gguf", help="The GGUF file to write (llama.cpp).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), f32, f16 or bf16; norms stay f32.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), f32, f16 or bf16.",
+                                       rich_help_panel=OUTPUT)] = "auto",
     tokenizer_pre: Annotated[
-        Optional[str], typer.Option("--tokenizer-pre", help="llama.cpp's pre-tokenizer name, when it is not recognised.")
+        Optional[str], typer.Option("--tokenizer-pre", help="llama.cpp pre-tokenizer name, if not recognised.")
     ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output file.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output file.",
+                                            rich_help_panel=OUTPUT)] = False,
     json_output: JsonFlag = False,
 ) -> None:
-    """Write a checkpoint as GGUF for llama.cpp (MLA conversions as DeepSeek2, latent attention kept)."""
+    """Write a checkpoint as GGUF for llama.cpp (MLA as DeepSeek2)."""
     from attnsurg.io.gguf_export import export_gguf
 
     if gguf is None:

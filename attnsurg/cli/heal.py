@@ -8,8 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from attnsurg.cli.common import (
-    Device,
     DEFAULT_EVAL_DOMAINS,
+    DISTILLATION,
+    EVALUATION,
+    TRAINING,
+    Device,
     AllowPickle,
     DryRun,
     EvalDomains,
@@ -21,6 +24,7 @@ from attnsurg.cli.common import (
     app,
     defaults_of,
     eval_domains_from,
+    examples,
     user_errors,
 )
 from attnsurg.cli.report import execute
@@ -30,39 +34,60 @@ from attnsurg.recipe import HealSettings
 HEAL = defaults_of(HealSettings)
 
 
-@app.command()
+@app.command(epilog=examples(
+    "attnsurg heal out/mla50 --teacher smollm2-135m -o out/mla50-healed",
+    "attnsurg heal out/mla50 --teacher smollm2-135m --tokens 100000 --dry-run",
+    "attnsurg heal out/mla50 --teacher smollm2-135m --train all -o out/mla50-all",
+    guide="heal.md"))
 @user_errors
 def heal(
     model: Annotated[str, typer.Argument(help="The operated checkpoint (the student).")],
     teacher: Annotated[str, typer.Option("--teacher", help="The original model the student was made from.")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
-    dataset: Annotated[str, typer.Option("--dataset", help="Built-in dataset; its calibration part is used.")] = "wiki-sample",
-    text: Annotated[Optional[Path], typer.Option("--text", help="A UTF-8 file to train on instead (used whole).")] = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="Training tokens (the budget).")] = HEAL.tokens,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training window.")] = HEAL.seq_len,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per micro-batch (per process).")] = HEAL.batch_size,
-    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")] = HEAL.grad_accum,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).")] = HEAL.lr,
-    schedule: Annotated[str, typer.Option("--schedule", help="cosine, linear or constant (after warmup).")] = HEAL.schedule,
-    warmup: Annotated[float, typer.Option("--warmup", help="Fraction of the steps spent warming up.")] = HEAL.warmup,
-    kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of KL(teacher || student).")] = HEAL.kl_weight,
-    lm_weight: Annotated[float, typer.Option("--lm-weight", help="Weight of the next-token loss.")] = HEAL.lm_weight,
+    dataset: Annotated[str, typer.Option("--dataset", help="Built-in text to train on.",
+                                         rich_help_panel=TRAINING)] = "wiki-sample",
+    text: Annotated[Optional[Path], typer.Option("--text", help="A UTF-8 file to train on instead (used whole).",
+                                                 rich_help_panel=TRAINING)] = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="Training tokens (the budget).",
+                                        rich_help_panel=TRAINING)] = HEAL.tokens,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training window.",
+                                         rich_help_panel=TRAINING)] = HEAL.seq_len,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per micro-batch (per process).",
+                                            rich_help_panel=TRAINING)] = HEAL.batch_size,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.",
+                                            rich_help_panel=TRAINING)] = HEAL.grad_accum,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).", rich_help_panel=TRAINING)] = HEAL.lr,
+    schedule: Annotated[str, typer.Option("--schedule", help="cosine, linear or constant.",
+                                          rich_help_panel=TRAINING)] = HEAL.schedule,
+    warmup: Annotated[float, typer.Option("--warmup", help="Share of the steps spent warming up.",
+                                          rich_help_panel=TRAINING)] = HEAL.warmup,
+    kl_weight: Annotated[float, typer.Option("--kl-weight", help="Weight of KL(teacher || student).",
+                                             rich_help_panel=DISTILLATION)] = HEAL.kl_weight,
+    lm_weight: Annotated[float, typer.Option("--lm-weight", help="Weight of the next-token loss.",
+                                             rich_help_panel=DISTILLATION)] = HEAL.lm_weight,
     hidden_weight: Annotated[
-        float, typer.Option("--hidden-weight", help="Weight of the residual-stream match after every layer (0: off).")
+        float, typer.Option("--hidden-weight", help="Weight of the per-layer residual match (0: off).",
+                            rich_help_panel=DISTILLATION)
     ] = HEAL.hidden_weight,
-    temperature: Annotated[float, typer.Option("--temperature", help="Distillation temperature.")] = HEAL.temperature,
-    train: Annotated[str, typer.Option("--train", help="attention (the new or changed attention parameters) or all.")] = HEAL.train,
+    temperature: Annotated[float, typer.Option("--temperature", help="Distillation temperature.",
+                                               rich_help_panel=DISTILLATION)] = HEAL.temperature,
+    train: Annotated[str, typer.Option("--train", help="attention (new or changed) or all.",
+                                       rich_help_panel=TRAINING)] = HEAL.train,
     eval_every: Annotated[
-        int, typer.Option("--eval-every", help="Held-out ppl (on --eval-tokens) every N steps (0: only at the end).")
+        int, typer.Option("--eval-every", help="Held-out ppl every N steps (0: only at the end).",
+                          rich_help_panel=EVALUATION)
     ] = HEAL.eval_every,
-    save_every: Annotated[int, typer.Option("--save-every", help="Save resumable state every N steps.")] = HEAL.save_every,
-    mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="auto (bf16 on a GPU), no, bf16, fp16.")] = HEAL.mixed_precision,
+    save_every: Annotated[int, typer.Option("--save-every", help="Save resumable state every N steps.",
+                                            rich_help_panel=TRAINING)] = HEAL.save_every,
+    mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="auto (bf16 on a GPU), no, bf16 or fp16.",
+                                                 rich_help_panel=TRAINING)] = HEAL.mixed_precision,
     gradient_checkpointing: Annotated[
-        bool, typer.Option("--gradient-checkpointing", help="Recompute each layer's activations in the "
-                           "backward pass instead of keeping them: less memory for about a third more time.")
+        bool, typer.Option("--gradient-checkpointing", help="Recompute activations: less memory, ~1/3 slower.",
+                           rich_help_panel=TRAINING)
     ] = HEAL.gradient_checkpointing,
     eval_tokens: Annotated[
-        int, typer.Option("--eval-tokens", help="Tokens of the dataset's eval part (a --text file: its start) scored before/after (0: skip).")
+        int, typer.Option("--eval-tokens", help="Eval-part tokens scored before and after (0: skip).",
+                          rich_help_panel=EVALUATION)
     ] = HEAL.eval_tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,
@@ -74,9 +99,7 @@ def heal(
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Heal an operated model by distillation from the original (KL to its logits), with accelerate.
-
-    Interrupted runs resume from OUTPUT.heal-state when started again with the same settings."""
+    """Heal an operated model by distillation from the original (resumable)."""
     from attnsurg.recipe import (
         Calibration,
         Evaluation,

@@ -14,23 +14,24 @@ from attnsurg.cli.common import (
     JsonFlag,
     TrustRemoteCode,
     app,
+    examples,
     out,
     user_errors,
 )
 from attnsurg.errors import UserError
 
 
-@app.command()
+@app.command(epilog=examples("attnsurg info smollm2-135m", "attnsurg info smollm2-135m --json",
+                             "attnsurg info --methods", guide="models.md"))
 @user_errors
 def info(
-    model: Annotated[str | None, typer.Argument(help="Checkpoint directory, .gguf file, hub id or built-in name.")] = None,
-    methods: Annotated[bool, typer.Option("--methods", help="Print the support matrix: each family "
-                                          "users bring against every method (no MODEL needed).")] = False,
+    model: Annotated[str | None, typer.Argument(help="Checkpoint directory, .gguf, hub id or built-in name.")] = None,
+    methods: Annotated[bool, typer.Option("--methods", help="Print the method support matrix (no MODEL needed).")] = False,
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Print a model's attention anatomy and which attnsurg methods support it (--methods: for every family)."""
+    """A model's attention anatomy and the methods that support it."""
     from attnsurg.info import describe
     from attnsurg.recipe import InfoRequest, ModelRef
 

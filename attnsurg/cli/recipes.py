@@ -17,6 +17,7 @@ from attnsurg.cli.common import (
     Overwrite,
     TrustRemoteCode,
     app,
+    examples,
     out,
     print_error,
     recipe_app,
@@ -26,10 +27,11 @@ from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
 
 
-@app.command()
+@app.command(epilog=examples("attnsurg run mla-50 -o out/mla50-recipe", "attnsurg run tucker-50 --dry-run",
+                             guide="recipes.md"))
 @user_errors
 def run(
-    recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file, or a shipped recipe's name (see `attnsurg recipe list`).")],
+    recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file or a shipped recipe's name.")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of the recipe's output.")] = None,
     dry_run: DryRun = False,
     overwrite: Overwrite = False,
@@ -52,14 +54,13 @@ def run(
 
 
 
-@recipe_app.command("validate")
+@recipe_app.command("validate", epilog=examples("attnsurg recipe validate mla-50",
+                                                "attnsurg recipe validate recipes/*.yaml", guide="recipes.md"))
 @user_errors
 def recipe_validate(
     paths: Annotated[list[Path], typer.Argument(metavar="RECIPE...", help="Recipe files or shipped names.")],
 ) -> None:
-    """Check recipes without running them: the schema (unknown keys, types, value ranges, methods), and, when
-    the model is on this machine, everything --dry-run checks against it (budgets, windows, texts); every file
-    is checked, and the exit code is 2 when any fails."""
+    """Check recipes without running them (exit code 2 when any fails)."""
     from attnsurg.io.recipe_file import check_output_stays_below, load_recipe, resolve_recipe
     from attnsurg.run import run_recipe
 
@@ -108,10 +109,10 @@ def recipe_step_label(step) -> str:
     return f"heal ({settings.tokens:,} tokens)"
 
 
-@recipe_app.command("list")
+@recipe_app.command("list", epilog=examples("attnsurg recipe list", "attnsurg recipe list --json", guide="recipes.md"))
 @user_errors
 def recipe_list(json_output: JsonFlag = False) -> None:
-    """The recipes that ship in recipes/: name, what they do, and their steps."""
+    """The recipes that ship with attnsurg: name, what they do, their steps."""
     from attnsurg.io.recipe_file import SHIPPED_DIR, load_recipe, shipped_recipes
 
     rows = []

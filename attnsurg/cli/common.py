@@ -217,7 +217,7 @@ EvalDevice = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cu
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.", rich_help_panel=OUTPUT)]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.",
                                          rich_help_panel=OUTPUT)]
-Seed = Annotated[int, typer.Option("--seed", help="Random seed of the run (prompt cuts, fits, healing).", rich_help_panel=OUTPUT)]
+Seed = Annotated[int, typer.Option("--seed", help="Random seed (prompt cuts, fits, healing).", rich_help_panel=OUTPUT)]
 Device = Annotated[str, typer.Option("--device", help="auto (a CUDA GPU if any), cpu, cuda or cuda:N.",
                                      rich_help_panel=OUTPUT)]
 PrintRecipe = Annotated[

@@ -26,7 +26,7 @@ from attnsurg.methods.mla import (
     convert,
     plan_mla,
 )
-from attnsurg.methods.mla_stream import convert_streamed
+from attnsurg.methods.mla.stream import convert_streamed
 from attnsurg.pipeline import (
     Surgery,
     base_model_id,
@@ -151,7 +151,7 @@ STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard i
 
 def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report: ConvertReport,
                  recipe: Recipe | None) -> ConvertReport:
-    """Convert with one source layer in memory at a time (``mla_stream``), written straight into the staged
+    """Convert with one source layer in memory at a time (``mla.stream``), written straight into the staged
     output in the source's dtype. Nothing is scored: that would load both models whole."""
     recipe = recipe or Recipe.from_request(request)
     if request.short_prompts:

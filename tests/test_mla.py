@@ -15,6 +15,7 @@ from attnsurg.calibrate import attention_inputs, causal_mask, input_statistics, 
 from attnsurg.cli import app
 from attnsurg.convert import run_convert
 from attnsurg.errors import UserError
+from attnsurg.linalg import augmented
 from attnsurg.methods import mla
 from attnsurg.methods.mla import (
     Refinement, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
@@ -85,8 +86,8 @@ def test_query_mixes_and_moment_at_head_width_equal_the_expanded_query_rows(budg
     D, d, group = model.config.hidden_size, plan.head_dim, plan.num_heads // plan.num_kv_heads
     x = torch.randn(500, D + 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     sigma = x.T @ x / len(x)
-    Wq = mla.augmented(attention.q_proj.weight, attention.q_proj.bias).detach()
-    Wk = mla.augmented(attention.k_proj.weight, attention.k_proj.bias).detach()
+    Wq = augmented(attention.q_proj.weight, attention.q_proj.bias).detach()
+    Wk = augmented(attention.k_proj.weight, attention.k_proj.bias).detach()
     bases = mla.rorope_bases(Wk, sigma, plan)
     _, nope = mla.split_components(plan)
     expanded = [torch.stack([sum(bases[i][j, m] * Wq[mla.frequency_rows(h, f, d)[c]]
@@ -154,7 +155,7 @@ def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(
         asked.append((target, token_scale))
         return w, mla.LayerError(1.0, 0.0), target
 
-    monkeypatch.setattr(mla, "refine_layer", perfect_fit)
+    monkeypatch.setattr(mla.refine, "refine_layer", perfect_fit)
     refiner = mla.SequentialRefiner(model.model.rotary_emb, LLAMA, hidden[0].clone(),
                                     deepseek_config(model, plan, model.model.rotary_emb.inv_freq))
     attention = model.model.layers[0].self_attn
@@ -189,7 +190,7 @@ def test_windows_cut_into_short_prompts_are_refined_as_prompts_of_their_own(monk
         outputs.append((w, x, output))
         return w, mla.LayerError(1.0, 1.0), output
 
-    monkeypatch.setattr(mla, "refine_layer", closed_form)
+    monkeypatch.setattr(mla.refine, "refine_layer", closed_form)
     embeddings = model.get_input_embeddings()(ids)
     refiner = mla.SequentialRefiner(model.model.rotary_emb, LLAMA, embeddings.detach().clone(), config, starts=starts)
     attention = model.model.layers[0].self_attn
@@ -501,7 +502,7 @@ def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they
             trained_on.append(inputs)
         return original(attention, inputs, rope, rows, visible)
 
-    monkeypatch.setattr(mla, "sampled_output", watching)
+    monkeypatch.setattr(mla.refine, "sampled_output", watching)
     start = fit_layer(attn, second_moment(x), plan)
     _, errors, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=3e-3), held_out=2)
     assert trained_on and not any(torch.equal(row, x[i]) for batch in trained_on for row in batch for i in (8, 9))
@@ -518,7 +519,7 @@ def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they
         seen.append(args[4])  # held_out
         raise Seen
 
-    monkeypatch.setattr(mla, "SequentialRefiner", refiner)
+    monkeypatch.setattr(mla.conversion, "SequentialRefiner", refiner)
     with pytest.raises(Seen):
         convert(model, LLAMA, torch.randint(0, 384, (8, 64)), plan, refinement=Refinement(5, tokens=4 * 64))
     assert seen == [1]

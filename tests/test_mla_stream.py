@@ -11,7 +11,7 @@ from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.io.lazy import CheckpointReader
 from attnsurg.methods.mla import Refinement, convert, plan_mla
-from attnsurg.methods.mla_stream import convert_streamed
+from attnsurg.methods.mla.stream import convert_streamed
 
 from conftest import assert_streamed_like_loaded, with_mean_direction
 
@@ -75,7 +75,7 @@ def test_convert_stream_writes_the_checkpoint_convert_writes(tiny_checkpoints, c
 
 PEAK_OF_CHILD = """
 import resource, runpy, sys
-import attnsurg.cli, attnsurg.methods.mla_stream  # what the run imports, counted before it starts
+import attnsurg.cli, attnsurg.methods.mla.stream  # what the run imports, counted before it starts
 def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 sys.argv, before = ['attnsurg', *sys.argv[1:]], peak()
 try:

@@ -23,7 +23,7 @@ from attnsurg.methods.loki import plan_loki
 from attnsurg.methods.lowrank import plan_lowrank
 from attnsurg.methods.compress_stream import compress_streamed
 from attnsurg.methods.mla import Refinement, plan_mla
-from attnsurg.methods.mla_stream import convert_streamed
+from attnsurg.methods.mla.stream import convert_streamed
 
 from conftest import with_mean_direction
 

@@ -1,0 +1,50 @@
+"""What each engine's DeepSeek path takes, and why it would not run a plan."""
+
+from __future__ import annotations
+
+
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnsurg.methods.mla.plan import MLAPlan
+
+
+ENGINES = ("transformers", "llama.cpp", "vllm", "sglang")
+# vLLM 0.33's MLA attention (read from its source): latent + RoPE widths its kernels take, and the
+# (qk_nope, qk_rope, v) head dims one of its prefill backends takes.
+VLLM_MLA_WIDTHS = (320, 512, 576)
+VLLM_PREFILL_DIMS = ((128, 64, 128), (192, 64, 256), (64, 64, 128))
+
+
+def vllm_head_dims(plan: MLAPlan) -> tuple[int, int] | None:
+    """The smallest (qk_nope, v) of vLLM's prefill shapes with this RoPE width that holds the plan's dims."""
+    fits = [(nope, v) for nope, rope, v in VLLM_PREFILL_DIMS
+            if rope == plan.rope_dim and nope >= plan.qk_nope_dim and v >= plan.head_dim]
+    return min(fits, key=sum) if fits else None
+
+
+def vllm_width_hint(plan: MLAPlan) -> str:
+    """The vLLM widths this model's KV cache can hold, as the flags that give them."""
+    hints = [f"--kv-rank {width - 64 - 1} --rope-dim 64 gives {width} ({width / plan.original_values:.0%} of the cache)"
+             for width in VLLM_MLA_WIDTHS if width <= plan.original_values and plan.head_dim >= 64]
+    return "; ".join(hints) if hints else f"none fits this model's {plan.original_values} KV values per token"
+
+
+def engine_problems(plan: MLAPlan, engine: str) -> list[str]:
+    """Why an engine's DeepSeek path would not run this plan (empty when it would)."""
+    problems = []
+    if engine != "transformers" and plan.exact:
+        problems.append("the exact format has attention biases its DeepSeek graph lacks (use --format native)")
+    if engine != "transformers" and plan.layout == "flexible":
+        problems.append("it reads plain RoPE only, not the flexible layout's longrope factors (use --rope-layout standard)")
+    if engine == "vllm":
+        width, dims = plan.latent_width + plan.rope_dim, (plan.qk_nope_dim, plan.rope_dim, plan.head_dim)
+        if width not in VLLM_MLA_WIDTHS:
+            problems.append(f"its MLA kernels take kv_lora_rank + qk_rope_head_dim of {', '.join(map(str, VLLM_MLA_WIDTHS))}, "
+                            f"this plan has {width} ({vllm_width_hint(plan)})")
+        if vllm_head_dims(plan) is None:
+            problems.append(f"its prefill takes (qk_nope, qk_rope, v) head dims of "
+                            f"{', '.join(str(d) for d in VLLM_PREFILL_DIMS)}, and zero padding cannot reach one from "
+                            f"this plan's {dims}")
+    return problems

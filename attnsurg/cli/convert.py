@@ -34,7 +34,7 @@ from attnsurg.cli.common import (
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
-from attnsurg.recipe import MLA_CALIBRATION_TOKENS, ConvertMLA
+from attnsurg.recipe import ConvertMLA
 
 MLA = defaults_of(ConvertMLA)
 
@@ -80,7 +80,7 @@ def convert(
     ] = MLA.engine,
     calib_dataset: CalibDataset = "all",
     calib_text: CalibText = None,
-    calib_tokens: CalibTokens = MLA_CALIBRATION_TOKENS,
+    calib_tokens: CalibTokens = 4096,
     calib_seq_len: CalibSeqLen = 512,
     weighted: Annotated[
         bool, typer.Option("--weighted/--unweighted", help="Consumer-weighted or plain.",
@@ -94,7 +94,7 @@ def convert(
                           rich_help_panel=CALIBRATION)
     ] = MLA.refine_steps,
     refine_tokens: Annotated[
-        Optional[int], typer.Option("--refine-tokens", help="Tokens refined on (default: the first half).",
+        Optional[int], typer.Option("--refine-tokens", help="Tokens refined on (default: the first 2048).",
                                     rich_help_panel=CALIBRATION)
     ] = MLA.refine_tokens,
     refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement peak learning rate.",

@@ -199,7 +199,7 @@ def test_full_rank_tucker_kv_keeps_the_plain_cache():
 def test_hidden_factor_refit_lowers_the_exact_objective(name):
     """The closed-form refit is the weighted least-squares optimum for the hidden factor, so the exact
     objective (per-head consumer weights for k, the full input covariance for o) can only fall."""
-    from attnsurg.methods.lowrank import layer_contexts
+    from attnsurg.methods.consumers import layer_contexts
 
     model = build_tiny("llama", VOCAB, num_key_value_heads=2)
     stats = calibration(model, "llama")

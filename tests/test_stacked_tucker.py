@@ -11,7 +11,7 @@ from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
 from attnsurg.methods import stacked_tucker
-from attnsurg.methods.lowrank import layer_contexts
+from attnsurg.methods.consumers import layer_contexts
 from attnsurg.methods.stacked_tucker import compress_stacked_tucker, plan_stacked_tucker
 from attnsurg.modeling.modeling_attnsurg import StackedTuckerAttention
 

@@ -55,7 +55,8 @@ from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods import METHODS, headtensor
 from attnsurg.methods.loki import key_bases, rank_for_variance
-from attnsurg.methods.lowrank import allocated_ranks, decompose, layer_contexts, layer_inv_freq, plan_units, uniform_ranks
+from attnsurg.methods.consumers import layer_contexts, layer_inv_freq
+from attnsurg.methods.lowrank import allocated_ranks, decompose, plan_units, uniform_ranks
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
 from attnsurg.pipeline import Surgery, check_calibration, load_source, source_windows
 from attnsurg.placement import on_device

@@ -131,11 +131,11 @@ def print_heal_summary(heal) -> None:
 
 
 def print_compress_report(model: str, report, dry_run: bool, json_output: bool) -> None:
-    from attnsurg.compress import projection_flops, rank_rows
+    from attnsurg.methods.factorized import rank_rows
 
     plan = report.plan
     rows = rank_rows(plan)
-    flops = projection_flops(plan)
+    flops = plan.flops_before(), plan.flops_after()
     if json_output:
         record = {"plan": rank_rows(plan, labels=False), "kept_fraction": plan.kept_fraction, "params": [plan.params_before(), plan.params_after()],
                   "projection_flops_per_token": list(flops), "kv_values_per_token": [report.anatomy.kv_values_per_token, plan.kv_values_after()],
@@ -184,9 +184,9 @@ def print_loki_report(model: str, report, json_output: bool) -> None:
 
 def lowrank_plan_table(model: str, plan, rows: list[dict], dry_run: bool) -> Table:
     """Ranks per layer; consecutive layers with the same ranks share one row."""
-    from attnsurg.compress import COLUMN_TITLES, plan_columns
+    from attnsurg.methods.factorized import COLUMN_TITLES
 
-    names = plan_columns(plan)
+    names = plan.columns
     note = ""
     if dry_run and plan.allocate:
         note = " (uniform; --allocate redistributes after calibration)"

@@ -42,7 +42,7 @@ def method_support(anatomy: AttentionAnatomy) -> dict[str, str | None]:
 
 def _register_builtin_methods() -> None:
     """Import each method module once so it registers itself."""
-    from attnsurg.methods import headtensor, loki, lowrank, mla  # noqa: F401
+    from attnsurg.methods import headtensor, loki, lowrank, mla, stacked_tucker  # noqa: F401
 
 
 _register_builtin_methods()

@@ -1,11 +1,14 @@
 """Assembling factorized checkpoints: the source family's architecture under attnsurg's model type,
-with some modules replaced as ``config.attnsurg`` records (see :mod:`attnsurg.modeling.modeling_attnsurg`)."""
+with some modules replaced as ``config.attnsurg`` records (see :mod:`attnsurg.modeling.modeling_attnsurg`);
+and what their model cards say (ranks per module, parameters, FLOPs, KV cache)."""
 
 from __future__ import annotations
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.methods.base import CardText
 from attnsurg.modeling import auto_map
 from attnsurg.modeling.modeling_attnsurg import CLASSES
 
@@ -53,3 +56,59 @@ def load_complete_state(model: PreTrainedModel, state: dict[str, torch.Tensor], 
     if tied:
         model.tie_weights()
     return model.eval()
+
+
+# --- what a factorized checkpoint's card says ---------------------------------------------------------------
+
+COLUMN_TITLES = {"kv": "k/v latent", "qkvo": "q,k,v,o stacked (head_dim x hidden)",
+                 "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+
+
+def rank_rows(plan, labels: bool = True) -> list[dict]:
+    """Per layer: each unit's rank label ("dense", "255", "9x64x140"), or with ``labels=False`` its raw ranks
+    (None when dense), with parameters before/after."""
+    rows: dict[int, dict] = {}
+    for i, unit in enumerate(plan.units):
+        row = rows.setdefault(unit.layer, {"layer": unit.layer, "params_before": 0, "params_after": 0})
+        row[unit.name] = plan.rank_label(i) if labels else plan.ranks[i]
+        row["params_before"] += plan.unit_params(i, after=False)
+        row["params_after"] += plan.unit_params(i, after=True)
+    return list(rows.values())
+
+
+def rank_table(plan, note: str | None = None) -> str:
+    """The card's ranks per module: a row per layer, a column per ``plan.columns`` entry, then ``note``."""
+    header = "| layer | " + " | ".join(COLUMN_TITLES[n] for n in plan.columns) + " |"
+    lines = [header, "|---" * (len(plan.columns) + 1) + "|"]
+    for row in rank_rows(plan):
+        lines.append(f"| {row['layer']} | " + " | ".join(row[n] for n in plan.columns) + " |")
+    if note:
+        lines.append("\n" + note)
+    return "\n".join(lines)
+
+
+def factorized_figures(plan, anatomy: AttentionAnatomy) -> list[dict]:
+    """Parameters, FLOPs and KV cache before and after, for the card."""
+    kv_after = plan.kv_values_after()
+    return [
+        {"metric": "parameters in the targeted projections", "before": f"{plan.params_before():,}", "after": f"{plan.params_after():,}"},
+        {"metric": "total parameters", "before": f"{anatomy.total_parameters:,}",
+         "after": f"{anatomy.total_parameters - plan.params_before() + plan.params_after():,}"},
+        {"metric": "FLOPs per token in the targeted projections", "before": f"{plan.flops_before():,}", "after": f"{plan.flops_after():,}"},
+        {"metric": "KV values per token (all layers)", "before": f"{anatomy.kv_values_per_token:,}", "after": f"{kv_after:,}"},
+        {"metric": "KV bytes per token (bf16)", "before": f"{anatomy.kv_bytes_per_token('bfloat16'):,}", "after": f"{kv_after * 2:,}"},
+    ]
+
+
+def factorized_card_text(plan, anatomy: AttentionAnatomy, kind: str, budget: str, fit_note: str = "",
+                         kv_note: str = "", rank_note: str | None = None) -> CardText:
+    """The card of a factorized checkpoint; ``kind`` is "low-rank" or "tensor-decomposed"."""
+    projections = ", ".join(COLUMN_TITLES[t] for t in plan.targets)
+    return CardText(
+        title=f"with {kind} attention ({plan.method})",
+        summary=f"Attention projections factorized by attnsurg ({plan.method}).{kv_note}",
+        tags=[plan.method, "tensor-decomposition" if kind == "tensor-decomposed" else "low-rank"],
+        details=[budget, f"targets: {projections}{fit_note}; consumer-weighted: {plan.weighted}"],
+        figures=factorized_figures(plan, anatomy),
+        sections={"Ranks per module": rank_table(plan, rank_note)},
+    )

@@ -33,8 +33,10 @@ from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.linalg import cholesky_whitening
 from attnsurg.methods import MethodSpec, cp, register, tucker
-from attnsurg.methods.factorized import assemble_factorized
-from attnsurg.methods.lowrank import PROJECTIONS, LayerContext, layer_contexts, parse_targets, unsupported_reason
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
+from attnsurg.methods.factorized import assemble_factorized, factorized_card_text
+from attnsurg.methods.consumers import LayerContext, layer_contexts
+from attnsurg.methods.lowrank import PROJECTIONS, parse_targets, unsupported_reason
 
 DECOMPOSERS = {"tucker": tucker, "cp": cp}
 MAX_ITERATIONS = 50
@@ -88,6 +90,14 @@ class HeadTensorPlan:
 
     def flops(self, unit: HeadUnit, ranks: tuple[int, ...] | None) -> int:
         return 2 * unit.dense_params if ranks is None else DECOMPOSERS[self.method].flops(unit.shape, ranks)
+
+    def unit_params(self, index: int, after: bool) -> int:
+        return self.params(self.units[index], self.ranks[index] if after else None)
+
+    @property
+    def columns(self) -> list[str]:
+        """The rank columns of the card's table."""
+        return list(self.targets)
 
     def params_before(self) -> int:
         return sum(u.dense_params for u in self.units)
@@ -390,3 +400,58 @@ def compress_head_tensor(
                      DECOMPOSERS[plan.method].TOLERANCE)
     model = assemble_factorized(source, plan.surgery(family), replaced)
     return HeadTensorResult(model, plan, errors, unconverged)
+
+
+RANK_NOTES = {
+    "tucker": "Tucker ranks are heads x head_dim x hidden; the hidden factor is computed once per token for all heads.",
+    "cp": "CP rank R: one shared hidden -> R projection per token, a mixing vector per head, one R -> head_dim map.",
+}
+
+
+def budget_line(settings, plan, detail: str) -> str:
+    """The card's budget line of a tensor method (``detail``: how the ranks were split)."""
+    budget = f"ratio {settings.ratio}" if settings.ratio is not None else f"ranks {','.join(map(str, settings.ranks))}"
+    return f"budget: {budget} (fraction of the targeted parameters kept; achieved {plan.kept_fraction:.3f}){detail}"
+
+
+class HeadTensor(CompressMethod):
+    """``compress --method tucker|cp`` (each projection's heads as one tensor)."""
+
+    names = ("tucker", "cp")
+    plan_type = HeadTensorPlan
+
+    def handles(self, settings) -> bool:
+        return settings.method in self.names and not getattr(settings, "stacked", False)
+
+    def plan(self, anatomy: AttentionAnatomy, settings) -> HeadTensorPlan:
+        return plan_head_tensor(anatomy, settings.method, settings.targets, settings.ratio, settings.ranks, settings.weighted)
+
+    def operate(self, model, family, statistics, plan, seq_len, seed, progress=None) -> Operated:
+        result = compress_head_tensor(model, family, statistics, plan, seed, seq_len, progress=progress)
+        return Operated(result.model, result.plan, result.errors)
+
+    def operate_layer(self, plan: HeadTensorPlan, family: Family, index: int, context: LayerContext, seed: int) -> LayerTensors:
+        attention = f"{family.layers_path}.{index}.{family.attention_attr}"
+        fit = decompose_layer(plan, index, context.attn, context, seed)
+        ranks = [list(plan.ranks[i]) if plan.ranks[i] else None for i, u in enumerate(plan.units) if u.layer == index]
+        return LayerTensors({f"{attention}.{name}": state for name, state in fit.replaced.items()}, {},
+                            [[error, r] for error, r in zip(fit.errors, ranks, strict=True)], fit.unconverged)
+
+    def shapes_known_late(self, plan: HeadTensorPlan) -> bool:
+        return plan.choose_ranks
+
+    def apply_records(self, plan: HeadTensorPlan, records: list) -> list[float]:
+        plan.ranks = [tuple(ranks) if ranks else None for _, ranks in records]
+        return [error for error, _ in records]
+
+    def warn_capped(self, plan: HeadTensorPlan, unconverged: list[tuple[str, float]], total: int) -> None:
+        warn_unconverged(unconverged, total, f"{plan.method} decompositions", f"{MAX_ITERATIONS} iterations",
+                         DECOMPOSERS[plan.method].TOLERANCE)
+
+    def card_text(self, settings, plan: HeadTensorPlan, anatomy: AttentionAnatomy) -> CardText:
+        split = "; Tucker mode ranks chosen per projection by HOSVD error" if plan.choose_ranks else ""
+        return factorized_card_text(plan, anatomy, "tensor-decomposed", budget_line(settings, plan, split),
+                                    fit_note="; fitted to the whitened calibration inputs", rank_note=RANK_NOTES[plan.method])
+
+
+register_compressor(HeadTensor())

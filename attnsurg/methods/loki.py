@@ -4,9 +4,9 @@ Attention", sec. 3-4). ``compress --method loki --rank R --top-k K``.
 Per layer and KV head, the keys' principal directions come from calibration statistics: the pre-RoPE key
 second moment is K = [W_k b_k] E[x~ x~^T] [W_k b_k]^T (streamed in float64), and RoPE rotates a key at
 position p by R_p, so the post-RoPE second moment over a window of L positions is E_p[R_p K R_p^T]
-(computed exactly with lowrank.rotation_average, assuming a key's content does not depend on its
+(computed exactly with consumers.rotation_average, assuming a key's content does not depend on its
 position; through a q/k norm, as in Qwen3, K is the normed keys' moment linearised at their mean square,
-lowrank.attention_moments). ``--basis pre-rope`` uses the eigenvectors of K itself, as the paper's pre-rotary variant.
+consumers.attention_moments). ``--basis pre-rope`` uses the eigenvectors of K itself, as the paper's pre-rotary variant.
 The bases go into the checkpoint; the weights are unchanged, so with R = head_dim and every key kept the
 model is the original. The attention keeps the family's query scale, score soft-capping (Gemma 2), q/k norms
 (Qwen3, Gemma 3) and sliding-window layers (a query's top-k is taken among the keys its window shows).
@@ -24,8 +24,10 @@ from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
 from attnsurg.methods.factorized import assemble_factorized
-from attnsurg.methods.lowrank import attention_moments, layer_inv_freq, rotation_average, unsupported_reason
+from attnsurg.methods.consumers import LayerContext, attention_moments, layer_inv_freq, rotation_average
+from attnsurg.methods.lowrank import unsupported_reason
 
 NAME = "loki"
 SUMMARY = "top-k attention with keys scored by their first R principal coordinates (Loki)"
@@ -177,3 +179,48 @@ def top_k_recall(model: PreTrainedModel, windows: torch.Tensor) -> float:
         for attention in attentions:
             attention.recall = None
     return sum(values) / len(values)
+
+
+class Loki(CompressMethod):
+    """``compress --method loki``: the weights stay; each layer gains its key bases."""
+
+    names = (NAME,)
+    plan_type = LokiPlan
+
+    def plan(self, anatomy: AttentionAnatomy, settings) -> LokiPlan:
+        return plan_loki(anatomy, settings.rank, settings.top_k, settings.basis, settings.variance)
+
+    def operate(self, model, family, statistics, plan, seq_len, seed, progress=None) -> Operated:
+        return Operated(apply_loki(model, family, [x for x, _ in statistics], plan, seq_len), plan)
+
+    def operate_layer(self, plan: LokiPlan, family: Family, index: int, context: LayerContext, seed: int) -> LayerTensors:
+        basis, rank = layer_basis(context.attn, context.x, plan, context.inv_freq, context.seq_len)
+        attention = f"{family.layers_path}.{index}.{family.attention_attr}"
+        return LayerTensors(added={f"{attention}.loki_basis": basis}, records=[rank])
+
+    def surgery(self, plan: LokiPlan, family: Family) -> dict:
+        return plan.surgery()
+
+    def planned_surgery(self, plan: LokiPlan, family: Family) -> dict:
+        return planned_surgery(plan)
+
+    def apply_records(self, plan: LokiPlan, records: list) -> list[float]:
+        plan.ranks = list(records)
+        return []
+
+    def card_text(self, settings, plan: LokiPlan, anatomy: AttentionAnatomy) -> CardText:
+        top_k = f"{plan.top_k:g} of each query's context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
+        kv_bytes = f"{anatomy.kv_bytes_per_token('bfloat16'):,}"
+        return CardText(
+            title=f"with Loki top-k attention (rank {plan.rank_label()}, top-k {top_k})",
+            summary=("Every layer scores keys with their first principal coordinates and attends exactly over the best "
+                     "ones (Loki). The weights are the original's; the checkpoint adds one PCA basis per layer and KV head."),
+            tags=["loki", "top-k-attention"],
+            details=[f"rank {plan.rank_label()} of head dim {plan.head_dim}; top-k {top_k} (the current token always "
+                     f"kept); {plan.basis} key basis"],
+            figures=[{"metric": "KV bytes per token (bf16)", "before": kv_bytes,
+                      "after": f"{kv_bytes} (keys cached rotated, full width)"}],
+        )
+
+
+register_compressor(Loki())

@@ -39,9 +39,11 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
-from attnsurg.methods.factorized import assemble_factorized
-from attnsurg.methods.headtensor import diagonal_blocks, warn_unconverged
-from attnsurg.methods.lowrank import LayerContext, layer_contexts, unsupported_reason
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
+from attnsurg.methods.factorized import assemble_factorized, factorized_card_text
+from attnsurg.methods.headtensor import budget_line, diagonal_blocks, warn_unconverged
+from attnsurg.methods.consumers import LayerContext, layer_contexts
+from attnsurg.methods.lowrank import unsupported_reason
 
 MAX_ITERATIONS = 50
 TOLERANCE = 1e-4  # stop when a sweep lowers the objective by less than this fraction
@@ -132,6 +134,14 @@ class StackedTuckerPlan:
 
     def flops(self, unit: LayerUnit, ranks: tuple[int, int] | None) -> int:
         return 2 * unit.dense_params if ranks is None else flops(unit, ranks)
+
+    def unit_params(self, index: int, after: bool) -> int:
+        return self.params(self.units[index], self.ranks[index] if after else None)
+
+    @property
+    def columns(self) -> list[str]:
+        """The rank columns of the card's table."""
+        return ["qkvo"]
 
     def params_before(self) -> int:
         return sum(u.dense_params for u in self.units)
@@ -426,3 +436,55 @@ def compress_stacked_tucker(
     warn_unconverged(unconverged, len(errors), "stacked Tucker fits", f"{max_iterations} sweeps", TOLERANCE)
     model = assemble_factorized(source, plan.surgery(family), replaced)
     return StackedTuckerResult(model, plan, errors, unconverged)
+
+
+RANK_NOTE = ("Stacked Tucker ranks are head_dim x hidden: one hidden factor per layer, computed once per token for "
+             "q, k and v of every head and shared by o; one core per projection and head.")
+
+
+class StackedTucker(CompressMethod):
+    """``compress --method tucker --stacked`` (TensorLLM layout)."""
+
+    names = ("tucker",)
+    plan_type = StackedTuckerPlan
+
+    def handles(self, settings) -> bool:
+        return settings.method == "tucker" and getattr(settings, "stacked", False)
+
+    def plan(self, anatomy: AttentionAnatomy, settings) -> StackedTuckerPlan:
+        return plan_stacked_tucker(anatomy, settings.targets, settings.ratio, settings.ranks, settings.weighted)
+
+    def operate(self, model, family, statistics, plan, seq_len, seed, progress=None) -> Operated:
+        result = compress_stacked_tucker(model, family, statistics, plan, seed, seq_len, progress=progress)
+        return Operated(result.model, result.plan, result.errors)
+
+    def operate_layer(self, plan: StackedTuckerPlan, family: Family, index: int, context: LayerContext,
+                      seed: int) -> LayerTensors:
+        """The layer's q, k, v, o fitted together; it replaces the whole attention."""
+        attention = f"{family.layers_path}.{index}.{family.attention_attr}"
+        tensors = LayerTensors()
+        for unit, ranks in zip(plan.units, plan.ranks, strict=True):
+            if unit.layer == index:
+                stacked = stack_layer(unit, context.attn, context.x, context.o, context if plan.weighted else None)
+                fit = fit_layer(stacked, ranks, seed)
+                tensors.replaced[attention] = module_state(unit, fit, context.attn)
+                tensors.records.append(fit.relative_error)
+                if not fit.converged:
+                    tensors.unconverged.append((unit.label, fit.relative_error))
+        return tensors
+
+    def warn_capped(self, plan: StackedTuckerPlan, unconverged: list[tuple[str, float]], total: int) -> None:
+        warn_unconverged(unconverged, total, "stacked Tucker fits", f"{MAX_ITERATIONS} sweeps", TOLERANCE)
+
+    def card_text(self, settings, plan: StackedTuckerPlan, anatomy: AttentionAnatomy) -> CardText:
+        kv_note = (" Where a layer's hidden rank is below the K and V width, its cache holds the shared hidden "
+                   "coordinates x A (rebuilt to K and V at every step, RoPE applied after)."
+                   if plan.kv_values_after() < anatomy.kv_values_per_token else "")
+        layout = "; q, k, v and o of each layer stacked in one decomposition (TensorLLM layout)"
+        return factorized_card_text(
+            plan, anatomy, "tensor-decomposed", budget_line(settings, plan, layout),
+            fit_note="; alternating least squares on the calibration statistics, from TensorLLM's data-free factors",
+            kv_note=kv_note, rank_note=RANK_NOTE)
+
+
+register_compressor(StackedTucker())

@@ -9,7 +9,7 @@ import torch
 
 from attnsurg.calibrate import InputStatistics
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
-from attnsurg.methods.lowrank import norm_scale
+from attnsurg.methods.consumers import norm_scale
 from attnsurg.methods.mla.plan import MLAPlan
 
 

@@ -237,6 +237,11 @@ class Calibration(Strict):
         return data.model_copy(update={"part": "calib"}) if isinstance(data, TextData) else data
 
 
+COMMAND_CALIBRATION = Calibration(data=TextData(dataset="all", part="calib"))
+"""What ``convert`` and ``compress`` calibrate on when no ``--calib-*`` option is given (and the Python API when no
+``calibration`` is): every built-in domain in turn. A recipe that leaves its calibration out reads ``Calibration()``."""
+
+
 class PlanRequest(Strict):
     """``attnsurg analyze plan``: per method, the smallest budget predicted to keep the perplexity ratio within
     ``target_ratio`` on the calibration text's eval part and on every one of ``eval_domains``."""

@@ -35,7 +35,7 @@ from attnsurg.io.recipe_file import load_recipe, shipped_recipes
 from attnsurg.recipe import MLASettings, ModelRef, PerplexityEval, TasksEval, TextData
 from common import write_result
 from results_doc import matrix_note, matrix_table
-from attnsurg.run import run_recipe
+from attnsurg.pipelines.run import run_recipe
 
 DEMO = "smollm2-135m"
 

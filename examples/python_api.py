@@ -1,5 +1,5 @@
-"""attnsurg from Python: build a recipe as objects, run it, load the result with stock transformers and read
-the KV cache it really holds.
+"""attnsurg from Python: convert a model with ``attnsurg.convert``, score it with ``attnsurg.evaluate``, load the
+result with stock transformers and read the KV cache it really holds.
 
     python examples/python_api.py                     # the demo model, ~4 minutes on 2 cores
     python examples/python_api.py --model DIR --calib-text FILE --output OUT
@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from attnsurg.recipe import Calibration, ConvertStep, Evaluation, MLASettings, Recipe, TextData
-from attnsurg.run import run_recipe
+import attnsurg
 
 
 def main() -> None:
@@ -25,16 +24,13 @@ def main() -> None:
     parser.add_argument("--prompt", default="The capital of France is")
     args = parser.parse_args()
 
-    data = TextData(text=args.calib_text, part="calib") if args.calib_text else TextData(dataset="wiki-sample", part="calib")
-    recipe = Recipe(
-        model=args.model,
-        output=args.output,
-        steps=[ConvertStep(convert=MLASettings(kv_budget=0.5))],
-        calibration=Calibration(data=data, tokens=4096),
-        eval=Evaluation(tokens=2048),
-    )
-    report = run_recipe(recipe, overwrite=True)
+    data = {"text": args.calib_text} if args.calib_text else {"dataset": "wiki-sample"}
+    report = attnsurg.convert(args.model, args.output, to="mla", kv_budget=0.5, calibration={"data": data},
+                              overwrite=True)
     print(f"ppl {report.ppl_before:.3f} -> {report.ppl_after:.3f}; wrote {report.written}")
+    scores = attnsurg.evaluate([args.model, str(args.output)], data=data, max_length=256, max_tokens=1024)
+    converted = scores.results[-1]
+    print(f"eval perplexity on {converted.text}: {converted.ppl:.3f}, x{converted.ratio:.3f} the original's")
 
     model = AutoModelForCausalLM.from_pretrained(args.output)  # stock DeepseekV3, no remote code
     tokenizer = AutoTokenizer.from_pretrained(args.output)

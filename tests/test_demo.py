@@ -52,7 +52,7 @@ def test_demo_gguf_file_loads_directly(demo_model, tmp_path):
 def test_demo_model_converts_to_mla_that_stock_transformers_runs(demo_model, wiki_text, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnsurg.convert import run_convert
+    from attnsurg.pipelines.convert import run_convert
     from attnsurg.recipe import ConvertMLA
 
     request = ConvertMLA(
@@ -104,7 +104,7 @@ def test_demo_model_kv_latent_at_half_the_cache(demo_model, wiki_text, tmp_path)
     import torch
     from transformers import DynamicCache
 
-    from attnsurg.compress import run_compress
+    from attnsurg.pipelines.compress import run_compress
     from attnsurg.io.load import load_model, resolve_source
     from attnsurg.recipe import CompressLowRank
 

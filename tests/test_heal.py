@@ -268,7 +268,7 @@ def test_under_several_processes_the_main_one_operates_and_the_others_load(tiny_
     process never runs it and loads exactly that model."""
     from types import SimpleNamespace
 
-    from attnsurg import pipeline
+    from attnsurg.pipelines import steps as pipeline
     from attnsurg.recipe import ConvertMLA, HealSettings, ModelRef, Recipe
 
     request = ConvertMLA(model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), output=tmp_path / "out", kv_budget=0.5)
@@ -322,7 +322,7 @@ def test_two_processes_convert_once_and_heal_together(tiny_checkpoints, corpus_f
 def test_a_heal_run_started_again_reuses_the_operated_model(tiny_checkpoints, tmp_path):
     """The operated model is saved beside the output when healing follows; started again, the run loads it
     (healing resumes only from the same starting weights), unless the surgery step changed."""
-    from attnsurg import pipeline
+    from attnsurg.pipelines import steps as pipeline
     from attnsurg.recipe import ConvertMLA, HealSettings, ModelRef, Recipe
 
     request = ConvertMLA(model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), output=tmp_path / "out", kv_budget=0.5)

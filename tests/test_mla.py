@@ -13,7 +13,7 @@ from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_inputs, causal_mask, input_statistics, second_moment
 from attnsurg.cli import app
-from attnsurg.convert import run_convert
+from attnsurg.pipelines.convert import run_convert
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented
 from attnsurg.methods import mla

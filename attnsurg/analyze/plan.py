@@ -58,7 +58,7 @@ from attnsurg.methods.loki import key_bases, rank_for_variance
 from attnsurg.methods.consumers import layer_contexts, layer_inv_freq
 from attnsurg.methods.lowrank import allocated_ranks, decompose, plan_units, uniform_ranks
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
-from attnsurg.pipeline import Surgery, check_calibration, load_source, source_windows
+from attnsurg.pipelines.steps import Surgery, check_calibration, load_source, source_windows
 from attnsurg.placement import on_device
 from attnsurg.recipe import (
     EVAL_DOMAINS,
@@ -335,7 +335,7 @@ def request_at(ctx: PlanContext, settings: BaseModel, output: Path, eval_domains
 
 def operated(ctx: PlanContext, request: SurgeryRequest) -> PreTrainedModel:
     """The method applied to the loaded source exactly as its command applies it, in memory."""
-    from attnsurg import compress, convert
+    from attnsurg.pipelines import compress, convert
 
     set_seed(request.seed)
     surgery = Surgery(ctx.family, ctx.model, ctx.tokenizer, ctx.windows, time.perf_counter(), ctx.device)

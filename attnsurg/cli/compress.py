@@ -34,7 +34,7 @@ from attnsurg.cli.common import (
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
-from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank
+from attnsurg.recipe import COMMAND_CALIBRATION, CompressHeadTensor, CompressLoki, CompressLowRank
 
 LOW_RANK_METHODS = ("svd", "asvd", "svdllm")
 TENSOR_METHODS = ("tucker", "cp")
@@ -96,10 +96,10 @@ def compress(
     stream: Annotated[
         bool, typer.Option("--stream", help="One layer in memory at a time (local safetensors).", rich_help_panel=PLAN)
     ] = LOWRANK.stream,
-    calib_dataset: CalibDataset = "all",
+    calib_dataset: CalibDataset = COMMAND_CALIBRATION.data.dataset,
     calib_text: CalibText = None,
-    calib_tokens: CalibTokens = 4096,
-    calib_seq_len: CalibSeqLen = 512,
+    calib_tokens: CalibTokens = COMMAND_CALIBRATION.tokens,
+    calib_seq_len: CalibSeqLen = COMMAND_CALIBRATION.seq_len,
     eval_tokens: EvalTokens = LOWRANK.eval_tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,

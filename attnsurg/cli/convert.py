@@ -34,7 +34,7 @@ from attnsurg.cli.common import (
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
-from attnsurg.recipe import ConvertMLA
+from attnsurg.recipe import COMMAND_CALIBRATION, ConvertMLA
 
 MLA = defaults_of(ConvertMLA)
 
@@ -78,10 +78,10 @@ def convert(
         typer.Option("--engine", help="Check and lay out for transformers, llama.cpp, vllm, sglang.",
                      rich_help_panel=PLAN),
     ] = MLA.engine,
-    calib_dataset: CalibDataset = "all",
+    calib_dataset: CalibDataset = COMMAND_CALIBRATION.data.dataset,
     calib_text: CalibText = None,
-    calib_tokens: CalibTokens = 4096,
-    calib_seq_len: CalibSeqLen = 512,
+    calib_tokens: CalibTokens = COMMAND_CALIBRATION.tokens,
+    calib_seq_len: CalibSeqLen = COMMAND_CALIBRATION.seq_len,
     weighted: Annotated[
         bool, typer.Option("--weighted/--unweighted", help="Consumer-weighted or plain.",
                            rich_help_panel=CALIBRATION)

@@ -42,7 +42,7 @@ def run(
 ) -> None:
     """Run a YAML recipe: surgery, optional healing, evaluation, checkpoint."""
     from attnsurg.io.recipe_file import check_output_stays_below, load_recipe
-    from attnsurg.run import check_permissions
+    from attnsurg.pipelines.run import check_permissions
 
     recipe = load_recipe(recipe_path)
     if output is not None:
@@ -62,7 +62,7 @@ def recipe_validate(
 ) -> None:
     """Check recipes without running them (exit code 2 when any fails)."""
     from attnsurg.io.recipe_file import check_output_stays_below, load_recipe, resolve_recipe
-    from attnsurg.run import run_recipe
+    from attnsurg.pipelines.run import run_recipe
 
     failed = []
     for path in paths:

@@ -14,8 +14,8 @@ from attnsurg.errors import UserError
 def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_output: bool, device: str = "auto") -> None:
     """Run a recipe (what every surgery command does) on ``device`` and print its report."""
     from attnsurg.io.recipe_file import dump_recipe
-    from attnsurg.pipeline import is_main_process
-    from attnsurg.run import run_recipe
+    from attnsurg.pipelines.steps import is_main_process
+    from attnsurg.pipelines.run import run_recipe
 
     if print_recipe and json_output:
         raise UserError("--print-recipe and --json both write to stdout; pass one of them")
@@ -29,9 +29,9 @@ def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_out
 
 
 def print_report(recipe, report, dry_run: bool, json_output: bool) -> None:
-    from attnsurg.convert import ConvertReport
+    from attnsurg.pipelines.convert import ConvertReport
     from attnsurg.methods.loki import LokiPlan
-    from attnsurg.run import HealRunReport
+    from attnsurg.pipelines.run import HealRunReport
 
     model = recipe.model.ref
     if isinstance(report, ConvertReport):
@@ -45,7 +45,7 @@ def print_report(recipe, report, dry_run: bool, json_output: bool) -> None:
 
 
 def print_convert_report(model: str, report, json_output: bool) -> None:
-    from attnsurg.convert import plan_rows
+    from attnsurg.pipelines.convert import plan_rows
 
     rows = plan_rows(report.plan, report.anatomy)
     if json_output:
@@ -83,7 +83,7 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
 
 def domains_record(report, first: str = "before") -> dict:
     """ppl off the calibration text per domain (``first``: what the first figure is), and the worst domain."""
-    from attnsurg.pipeline import worst_domain
+    from attnsurg.pipelines.steps import worst_domain
 
     scores = getattr(report, "domains", {})
     record = {name: {first: before, "after": after, "ratio": after / before} for name, (before, after) in scores.items()}
@@ -92,7 +92,7 @@ def domains_record(report, first: str = "before") -> dict:
 
 def print_domains(report, before: str = "") -> None:
     """One line per evaluation domain off the calibration text, the worst marked."""
-    from attnsurg.pipeline import worst_domain
+    from attnsurg.pipelines.steps import worst_domain
 
     worst = worst_domain(report.domains)
     for name, (first, after) in report.domains.items():

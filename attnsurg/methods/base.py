@@ -2,7 +2,7 @@
 
 A method owns its plan (``plan``), the whole-model operation on a loaded model (``operate``), the operation on
 one decoder layer from that layer's statistics (``operate_layer``, what ``--stream`` runs) and what its model card
-says (``card_text``). ``compress.py`` and ``methods/compress_stream.py`` call these and nothing else of the
+says (``card_text``). ``pipelines/compress.py`` and ``methods/compress_stream.py`` call these and nothing else of the
 method; adding a method is one module holding one subclass, registered with :func:`register_compressor`.
 """
 

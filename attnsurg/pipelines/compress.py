@@ -28,7 +28,7 @@ from attnsurg.methods.loki import LokiPlan
 from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan
 from attnsurg.methods.stacked_tucker import StackedTuckerPlan
 from attnsurg.modeling import MODELING_FILE
-from attnsurg.pipeline import (
+from attnsurg.pipelines.steps import (
     base_model_id,
     check_calibration,
     command_line,

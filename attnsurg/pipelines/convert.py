@@ -27,7 +27,7 @@ from attnsurg.methods.mla import (
     plan_mla,
 )
 from attnsurg.methods.mla.stream import convert_streamed
-from attnsurg.pipeline import (
+from attnsurg.pipelines.steps import (
     Surgery,
     base_model_id,
     check_calibration,

@@ -18,7 +18,7 @@ from attnsurg.io.load import resolve_device
 from attnsurg.io.save import check_output_path, write_checkpoint
 from attnsurg.modeling import MODEL_TYPES as ATTNSURG_MODEL_TYPES
 from attnsurg.modeling import MODELING_FILE
-from attnsurg.pipeline import (
+from attnsurg.pipelines.steps import (
     add_healing,
     base_model_id,
     command_line,
@@ -58,10 +58,10 @@ def run_recipe(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, d
         return run_heal(recipe, dry_run, overwrite, device)
     request = recipe.request(overwrite, device)
     if isinstance(settings, MLASettings):
-        from attnsurg.convert import run_convert
+        from attnsurg.pipelines.convert import run_convert
 
         return run_convert(request, dry_run, recipe)
-    from attnsurg.compress import run_compress
+    from attnsurg.pipelines.compress import run_compress
 
     return run_compress(request, dry_run, recipe)
 

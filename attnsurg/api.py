@@ -23,6 +23,7 @@ from attnsurg.errors import UserError
 from attnsurg.recipe import (
     COMMAND_CALIBRATION,
     EVAL_DOMAINS,
+    MLA_CALIBRATION,
     Calibration,
     CompressStep,
     ConvertStep,
@@ -42,7 +43,8 @@ def surgery_recipe(model: str, output: str | Path, step, calibration: Calibratio
                    seed: int) -> Recipe:
     """The recipe a ``convert`` or ``compress`` command builds from its options."""
     steps = [step] + ([HealStep(heal=heal)] if heal is not None else [])
-    return Recipe(model=model, output=Path(output), steps=steps, calibration=calibration or COMMAND_CALIBRATION,
+    default = MLA_CALIBRATION if isinstance(step, ConvertStep) else COMMAND_CALIBRATION
+    return Recipe(model=model, output=Path(output), steps=steps, calibration=calibration or default,
                   eval=Evaluation(tokens=eval_tokens, domains=list(eval_domains)), seed=seed)
 
 

@@ -44,8 +44,11 @@ def test_a_function_writes_what_its_command_writes(command, settings, flags, tin
 
 def test_the_functions_take_the_commands_defaults():
     """Unset, the calibration is what the command line calibrates on (every built-in domain), not a recipe's."""
-    recipe = api.surgery_recipe("m", "out", api.ConvertStep(convert={}), None, None, 2048, api.EVAL_DOMAINS, 0)
-    assert recipe.calibration.data.dataset == "all" and recipe.calibration.tokens == 4096
+    convert = api.surgery_recipe("m", "out", api.ConvertStep(convert={}), None, None, 2048, api.EVAL_DOMAINS, 0)
+    assert convert.calibration == api.MLA_CALIBRATION and convert.calibration.tokens == 6144
+    compress = api.surgery_recipe("m", "out", api.CompressStep(compress={"method": "svd"}), None, None, 2048,
+                                  api.EVAL_DOMAINS, 0)
+    assert compress.calibration.data.dataset == "all" and compress.calibration.tokens == 4096
 
 
 def test_evaluate_scores_every_model_on_the_same_windows(tiny_checkpoints, corpus_file):

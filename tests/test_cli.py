@@ -262,7 +262,7 @@ def test_quiet_may_follow_the_command_and_flags_show_no_type():
     result = CliRunner().invoke(app, ["convert", "--help"], env={"COLUMNS": "120"})
     flags = [line for line in result.output.splitlines() if any(f in line for f in ("--json", "--dry-run", "--overwrite"))]
     assert result.exit_code == 0 and len(flags) >= 3 and not any("<bool>" in line for line in flags)
-    assert "(default: the first 2048)" in result.output and "Random seed" in result.output
+    assert "(default: the first half)" in result.output and "Random seed" in result.output
 
 
 def test_tables_on_a_narrow_terminal_keep_every_value_whole():

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.recipe_file import dump_recipe, load_recipe, parse_recipe, shipped_recipes
-from attnsurg.recipe import CompressLowRank, HealSettings, ModelRef, Recipe
+from attnsurg.pipelines.convert import refinement_of
+from attnsurg.recipe import MLA_CALIBRATION_TOKENS, Calibration, CompressLowRank, ConvertMLA, HealSettings, ModelRef, Recipe
 
 SHIPPED = shipped_recipes()
 REQUIRED_SHIPPED = {"mla-50", "mla-25", "svdllm-kv-latent-50", "tucker-50", "loki-r32-k25"}
@@ -122,6 +123,21 @@ def test_request_and_recipe_convert_both_ways():
                               ratio=0.5, kv_latent=True, eval_tokens=0, seed=4)
     recipe = Recipe.from_request(request, heal=HealSettings())
     assert recipe.request() == request and recipe.heal == HealSettings()
+
+
+def test_mla_refines_on_the_first_half_of_its_calibration_unless_told():
+    request = ConvertMLA(model=ModelRef(ref="m"), output=Path("o"))
+    assert request.calibration.tokens == MLA_CALIBRATION_TOKENS == 6144
+    assert refinement_of(request).tokens == 3072  # 6 windows of 512: one of each built-in domain
+    assert refinement_of(request.model_copy(update={"calibration": Calibration(tokens=4096)})).tokens == 2048
+    assert refinement_of(request.model_copy(update={"refine_tokens": 1024})).tokens == 1024
+
+
+def test_convert_command_calibrates_on_the_mla_default(tiny_checkpoints, tmp_path):
+    argv = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "mla", "-o", str(tmp_path / "o")]
+    result = CliRunner().invoke(app, argv + ["--dry-run", "--print-recipe"])
+    assert result.exit_code == 0, result.output
+    assert parse_recipe(result.output).calibration.tokens == MLA_CALIBRATION_TOKENS
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from attnsurg.cli.common import (
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
-from attnsurg.recipe import COMMAND_CALIBRATION, ConvertMLA
+from attnsurg.recipe import MLA_CALIBRATION, ConvertMLA
 
 MLA = defaults_of(ConvertMLA)
 
@@ -78,10 +78,10 @@ def convert(
         typer.Option("--engine", help="Check and lay out for transformers, llama.cpp, vllm, sglang.",
                      rich_help_panel=PLAN),
     ] = MLA.engine,
-    calib_dataset: CalibDataset = COMMAND_CALIBRATION.data.dataset,
+    calib_dataset: CalibDataset = MLA_CALIBRATION.data.dataset,
     calib_text: CalibText = None,
-    calib_tokens: CalibTokens = COMMAND_CALIBRATION.tokens,
-    calib_seq_len: CalibSeqLen = COMMAND_CALIBRATION.seq_len,
+    calib_tokens: CalibTokens = MLA_CALIBRATION.tokens,
+    calib_seq_len: CalibSeqLen = MLA_CALIBRATION.seq_len,
     weighted: Annotated[
         bool, typer.Option("--weighted/--unweighted", help="Consumer-weighted or plain.",
                            rich_help_panel=CALIBRATION)
@@ -94,7 +94,7 @@ def convert(
                           rich_help_panel=CALIBRATION)
     ] = MLA.refine_steps,
     refine_tokens: Annotated[
-        Optional[int], typer.Option("--refine-tokens", help="Tokens refined on (default: the first 2048).",
+        Optional[int], typer.Option("--refine-tokens", help="Tokens refined on (default: the first half).",
                                     rich_help_panel=CALIBRATION)
     ] = MLA.refine_tokens,
     refine_lr: Annotated[float, typer.Option("--refine-lr", help="Refinement peak learning rate.",

@@ -41,7 +41,7 @@ from attnsurg.pipelines.steps import (
     start_streamed,
     start_surgery,
 )
-from attnsurg.recipe import ConvertMLA, Recipe
+from attnsurg.recipe import ConvertMLA, Recipe, refined_share
 
 
 @dataclass
@@ -106,7 +106,7 @@ def plan_request(request: ConvertMLA):
 
 
 def refinement_of(request: ConvertMLA) -> Refinement:
-    tokens = Refinement.tokens if request.refine_tokens is None else request.refine_tokens
+    tokens = refined_share(request.calibration.tokens) if request.refine_tokens is None else request.refine_tokens
     return Refinement(request.refine_steps, tokens, request.refine_lr, request.refine_schedule)
 
 

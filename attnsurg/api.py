@@ -9,9 +9,9 @@ the command's report::
     report = attnsurg.compress("smollm2-135m", "out/svdllm", method="svdllm", ratio=0.6)
     scores = attnsurg.evaluate(["smollm2-135m", "out/mla50"], data={"dataset": "c4-sample"})
 
-Keyword arguments beyond the run's own are the method's settings, named as in a recipe (``MLASettings``,
-``LowRankSettings``, ``HeadTensorSettings``, ``LokiSettings``); a wrong name or value raises pydantic's
-``ValidationError`` naming the field.
+Keyword arguments beyond the run's own are the method's settings, named as in a recipe (``MLASettings``;
+``methods.lowrank.LowRankSettings``, ``methods.headtensor.HeadTensorSettings``, ...); a wrong name or value
+raises pydantic's ``ValidationError`` naming the field.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from attnsurg.recipe import (
     HealSettings,
     HealStep,
     MLASettings,
+    ModelRef,
     PerplexityEval,
     Recipe,
     SpeedEval,
@@ -38,7 +39,7 @@ from attnsurg.recipe import (
 )
 
 
-def surgery_recipe(model: str, output: str | Path, step, calibration: Calibration | dict | None,
+def surgery_recipe(model: str | ModelRef, output: str | Path, step, calibration: Calibration | dict | None,
                    heal: HealSettings | dict | None, eval_tokens: int, eval_domains: list[str] | tuple[str, ...],
                    seed: int) -> Recipe:
     """The recipe a ``convert`` or ``compress`` command builds from its options."""

@@ -9,7 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializeAsAny,
+    Tag,
+    WrapValidator,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from attnsurg.errors import UserError
 
@@ -308,66 +322,16 @@ class MLASettings(Strict):
     stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
 
 
-class LowRankSettings(Strict):
-    """``compress --method svd|asvd|svdllm``. The budget is ``ratio`` (the fraction of the targeted
-    projections' parameters kept; with ``kv_latent``, of the KV cache) or one ``rank`` everywhere."""
+class CompressSettings(Strict):
+    """A ``compress`` step: ``method`` names the method, whose own settings class (a subclass, registered with
+    the method in ``attnsurg.methods.base``) holds the rest."""
 
-    method: Literal["svd", "asvd", "svdllm"] = "svdllm"
-    targets: tuple[str, ...] = ("q", "k", "v", "o")
-    ratio: float | None = Field(None, gt=0, le=1)
-    rank: int | None = Field(None, gt=0)
-    kv_latent: bool = False
-    allocate: bool = False
-    weighted: bool | None = None
-    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
+    method: str
 
-    @model_validator(mode="after")
-    def _stream_with_uniform_ranks(self):
-        if self.stream and self.allocate:
-            raise ValueError("allocate (--allocate) needs every layer's spectrum before the first rank is chosen, so "
-                             "it does not stream (--stream); drop one of them")
-        return self
-
-
-class HeadTensorSettings(Strict):
-    """``compress --method tucker|cp``. The budget is ``ratio`` or ``ranks``: Tucker's (heads, head_dim,
-    hidden) mode ranks, or CP's single rank. ``stacked`` (Tucker only): q, k, v and o of a layer in one
-    decomposition with factors shared across heads and projections; its ranks are (head_dim, hidden)."""
-
-    method: Literal["tucker", "cp"] = "tucker"
-    targets: tuple[str, ...] = ("q", "k", "v", "o")
-    ratio: float | None = Field(None, gt=0, le=1)
-    ranks: tuple[int, ...] | None = None
-    weighted: bool = True
-    stacked: bool = False
-    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
-
-    @model_validator(mode="after")
-    def _stacked_is_tucker(self):
-        if self.stacked and self.method != "tucker":
-            raise ValueError("stacked is a Tucker layout; use method: tucker")
-        return self
-
-    @model_validator(mode="before")
     @classmethod
-    def _cp_rank(cls, data):
-        """``rank: R`` is how CP's single rank reads in a recipe (as ``--rank`` on the command line)."""
-        if isinstance(data, dict) and data.get("method") == "cp" and "rank" in data and "ranks" not in data:
-            data = {**data, "ranks": [data["rank"]]}
-            del data["rank"]
-        return data
-
-
-class LokiSettings(Strict):
-    """``compress --method loki``: keys scored by ``rank`` principal coordinates, exact attention over the
-    ``top_k`` best (a count of keys, or a float in (0, 1]: a fraction of each query's context)."""
-
-    method: Literal["loki"] = "loki"
-    rank: int | None = Field(None, gt=0)
-    variance: float | None = Field(None, gt=0, le=1)  # instead of rank: per-layer ranks keeping this share of the key variance
-    top_k: int | float | None = None
-    basis: Literal["post-rope", "pre-rope"] = "post-rope"
-    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
+    def accepts(cls, key: str) -> bool:
+        """Whether ``key`` is an input of this method's settings (a command-line option it takes)."""
+        return key in cls.model_fields
 
 
 class HealSettings(Strict):
@@ -439,42 +403,38 @@ class ConvertMLA(MLASettings, SurgeryContext):
         return self
 
 
-class CompressLowRank(LowRankSettings, SurgeryContext):
-    """``attnsurg compress MODEL --method svd|asvd|svdllm``: low-rank attention projections."""
+REQUEST_TYPES: dict[type, type] = {MLASettings: ConvertMLA}
 
 
-class CompressHeadTensor(HeadTensorSettings, SurgeryContext):
-    """``attnsurg compress MODEL --method tucker|cp``: per-head weights as a decomposed tensor."""
+def request_type(settings_type: type) -> type:
+    """The request a method's settings run as: the settings plus the ``SurgeryContext``."""
+    if settings_type not in REQUEST_TYPES:
+        name = settings_type.__name__.removesuffix("Settings")
+        REQUEST_TYPES[settings_type] = create_model(f"Compress{name}", __base__=(settings_type, SurgeryContext),
+                                                    __module__=settings_type.__module__)
+    return REQUEST_TYPES[settings_type]
 
 
-class CompressLoki(LokiSettings, SurgeryContext):
-    """``attnsurg compress MODEL --method loki``: keys scored by R principal coordinates, top-k attention."""
+def settings_type_of(request) -> type:
+    return next(settings for settings, request_class in REQUEST_TYPES.items() if type(request) is request_class)
 
 
-SurgeryRequest = ConvertMLA | CompressLowRank | CompressHeadTensor | CompressLoki
-REQUEST_FOR = {MLASettings: ConvertMLA, LowRankSettings: CompressLowRank, HeadTensorSettings: CompressHeadTensor,
-               LokiSettings: CompressLoki}
+SurgeryRequest = SurgeryContext  # a ConvertMLA, or a method's settings with the context (``request_type``)
 
 
 # ------------------------------------------------------------------------------------------- recipes
-COMPRESS_METHODS = ("svd", "asvd", "svdllm", "tucker", "cp", "loki")
+def compress_settings(value, handler) -> CompressSettings:
+    """A compress step's settings, validated by the class its ``method`` registered."""
+    from attnsurg.methods.base import compress_method_names, settings_for_method
 
-
-def compress_method(value) -> str | None:
-    method = value.get("method") if isinstance(value, dict) else getattr(value, "method", None)
-    return {"svd": "lowrank", "asvd": "lowrank", "svdllm": "lowrank", "tucker": "tensor", "cp": "tensor",
-            "loki": "loki"}.get(method)
-
-
-CompressSettings = Annotated[
-    Union[Annotated[LowRankSettings, Tag("lowrank")], Annotated[HeadTensorSettings, Tag("tensor")],
-          Annotated[LokiSettings, Tag("loki")]],
-    Discriminator(
-        compress_method,
-        custom_error_type="compress_method",
-        custom_error_message="compress needs method: one of " + ", ".join(COMPRESS_METHODS),
-    ),
-]
+    if isinstance(value, CompressSettings):
+        return value
+    method = value.get("method") if isinstance(value, dict) else None
+    settings = settings_for_method(method) if isinstance(method, str) else None
+    if settings is None:
+        raise PydanticCustomError("compress_method", "compress needs method: one of {methods}",
+                                  {"methods": ", ".join(compress_method_names())})
+    return settings.model_validate(value)
 
 
 class ConvertStep(Strict):
@@ -482,7 +442,7 @@ class ConvertStep(Strict):
 
 
 class CompressStep(Strict):
-    compress: CompressSettings
+    compress: Annotated[SerializeAsAny[CompressSettings], WrapValidator(compress_settings)]
 
 
 class HealStep(Strict):
@@ -550,7 +510,7 @@ class Recipe(Strict):
         return self
 
     @property
-    def surgery(self) -> MLASettings | LowRankSettings | HeadTensorSettings | LokiSettings | None:
+    def surgery(self) -> MLASettings | CompressSettings | None:
         for step in self.steps:
             if isinstance(step, ConvertStep):
                 return step.convert
@@ -570,11 +530,11 @@ class Recipe(Strict):
             raise ValueError("this recipe has no convert or compress step")
         context = dict(model=self.model, output=self.output, calibration=self.calibration,
                        eval_tokens=self.eval.tokens, eval_domains=self.eval.domains, overwrite=overwrite, seed=self.seed, device=device)
-        return REQUEST_FOR[type(settings)](**context, **dict(settings))
+        return request_type(type(settings))(**context, **dict(settings))
 
     @classmethod
     def from_request(cls, request: SurgeryRequest, heal: HealSettings | None = None) -> Recipe:
-        settings_type = next(s for s, r in REQUEST_FOR.items() if isinstance(request, r))
+        settings_type = settings_type_of(request)
         settings = settings_type(**{name: getattr(request, name) for name in settings_type.model_fields})
         step = ConvertStep(convert=settings) if settings_type is MLASettings else CompressStep(compress=settings)
         steps = [step] + ([HealStep(heal=heal)] if heal else [])

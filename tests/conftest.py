@@ -132,6 +132,16 @@ def corpus_file(tmp_path_factory) -> Path:
     return path
 
 
+ASSET_FIXTURES = {"demo_model", "wiki_text"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """A test that asks for a real built-in asset is an ``assets`` test, whether or not it says so."""
+    for item in items:
+        if ASSET_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.assets)
+
+
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
     """The real demo model; skips with the reason when it cannot be fetched."""

@@ -106,9 +106,10 @@ def test_demo_model_kv_latent_at_half_the_cache(demo_model, wiki_text, tmp_path)
 
     from attnsurg.pipelines.compress import run_compress
     from attnsurg.io.load import load_model, resolve_source
-    from attnsurg.recipe import CompressLowRank
+    from attnsurg.methods.lowrank import LowRankSettings
+    from attnsurg.recipe import request_type
 
-    request = CompressLowRank(
+    request = request_type(LowRankSettings)(
         model=ModelRef(ref="smollm2-135m"), output=tmp_path / "kv50", method="svdllm", targets=("k", "v"),
         ratio=0.5, kv_latent=True, eval_tokens=2048,
     )

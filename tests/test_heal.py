@@ -241,7 +241,7 @@ def test_two_processes_share_the_steps_and_one_writes(tiny_checkpoints, corpus_f
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnsurg", "heal",
                str(student), "--teacher", str(tiny_checkpoints["llama-gqa"]), "--text", str(corpus_file),
                "--tokens", "1024", "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "0", "-o", str(tmp_path / "healed")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("healed 8 steps (1,024 tokens)") == 1, result.stdout
     assert (tmp_path / "healed" / "config.json").is_file()
@@ -312,7 +312,7 @@ def test_two_processes_convert_once_and_heal_together(tiny_checkpoints, corpus_f
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnsurg", "run",
                str(tmp_path / "recipe.yaml"), "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["heal"]["steps"] == 4 and len(report["layer_errors"]) == 2

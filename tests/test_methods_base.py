@@ -4,9 +4,13 @@ import torch
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
-from attnsurg.methods.base import COMPRESSORS, compressor_for, method_of
+from attnsurg.methods.base import COMPRESSORS, compress_method_names, compressor_for, method_of, settings_for_method
 from attnsurg.methods.consumers import LayerContext, layer_contexts
-from attnsurg.recipe import COMPRESS_METHODS, HeadTensorSettings, LokiSettings, LowRankSettings
+from attnsurg.methods.headtensor import HeadTensorSettings
+from attnsurg.methods.loki import LokiSettings
+from attnsurg.methods.lowrank import LowRankSettings
+from attnsurg.methods.topk import TopKSettings
+from attnsurg.recipe import CompressStep
 
 from conftest import build_tiny
 
@@ -18,12 +22,12 @@ SETTINGS = [
     HeadTensorSettings(method="cp", ranks=(4,)),
     HeadTensorSettings(method="tucker", ratio=0.5, stacked=True),
     LokiSettings(rank=8, top_k=16),
+    TopKSettings(top_k=0.5),
 ]
 
 
 def test_every_compress_method_has_exactly_one_implementation():
-    names = {name for method in COMPRESSORS for name in method.names}
-    assert names == set(COMPRESS_METHODS)
+    assert {settings.method for settings in SETTINGS} == set(compress_method_names())
     for settings in SETTINGS:
         assert sum(method.handles(settings) for method in COMPRESSORS) == 1, settings
     assert len({method.plan_type for method in COMPRESSORS}) == len(COMPRESSORS)
@@ -59,3 +63,11 @@ def test_a_layer_operated_alone_writes_what_the_whole_model_operation_holds(sett
         assert written, "a layer's operation wrote nothing"
         for name, tensor in written.items():
             assert torch.allclose(tensor.to(state[name].dtype), state[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("name", compress_method_names())
+def test_a_compress_step_is_read_by_the_settings_its_method_registered(name):
+    settings = settings_for_method(name)
+    step = CompressStep.model_validate({"compress": {"method": name}})
+    assert type(step.compress) is settings and step.compress.method == name
+    assert CompressStep.model_validate(step.model_dump(mode="json")) == step

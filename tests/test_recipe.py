@@ -11,7 +11,8 @@ from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.recipe_file import dump_recipe, load_recipe, parse_recipe, shipped_recipes
 from attnsurg.pipelines.convert import refinement_of
-from attnsurg.recipe import MLA_CALIBRATION_TOKENS, Calibration, CompressLowRank, ConvertMLA, HealSettings, ModelRef, Recipe
+from attnsurg.methods.lowrank import LowRankSettings
+from attnsurg.recipe import MLA_CALIBRATION_TOKENS, Calibration, ConvertMLA, HealSettings, ModelRef, Recipe, request_type
 
 SHIPPED = shipped_recipes()
 REQUIRED_SHIPPED = {"mla-50", "mla-25", "svdllm-kv-latent-50", "tucker-50", "loki-r32-k25"}
@@ -61,7 +62,7 @@ BAD = {
     "missing method": ("model: m\noutput: o\nsteps:\n  - compress: {ratio: 0.5}\n",
                        "<recipe>:4: steps[0].compress: compress needs method"),
     "bad top-k": ("model: m\noutput: o\nsteps:\n  - compress:\n      method: loki\n      top_k: abc\n",
-                  "<recipe>:6: steps[0].compress.top_k: Input should be"),
+                  "<recipe>:6: steps[0].compress.top_k: expects a count (64) or a fraction of the context (0.25 or 1/4), got 'abc'"),
     "duplicate key": ("model: m\nmodel: n\noutput: o\n", "<recipe>:2: key 'model' appears twice"),
     "teacher after surgery": ("model: m\noutput: o\nsteps:\n  - convert: {}\n  - heal: {teacher: t}\n",
                               "the source model is the teacher"),
@@ -119,8 +120,8 @@ def test_list_shows_the_shipped_recipes():
 
 
 def test_request_and_recipe_convert_both_ways():
-    request = CompressLowRank(model=ModelRef(ref="m"), output=Path("o"), method="asvd", targets=("k", "v"),
-                              ratio=0.5, kv_latent=True, eval_tokens=0, seed=4)
+    request = request_type(LowRankSettings)(model=ModelRef(ref="m"), output=Path("o"), method="asvd", targets=("k", "v"),
+                                            ratio=0.5, kv_latent=True, eval_tokens=0, seed=4)
     recipe = Recipe.from_request(request, heal=HealSettings())
     assert recipe.request() == request and recipe.heal == HealSettings()
 

@@ -54,24 +54,22 @@ from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods import METHODS, headtensor
-from attnsurg.methods.loki import key_bases, rank_for_variance
+from attnsurg.methods.headtensor import HeadTensorSettings
+from attnsurg.methods.loki import LokiSettings, key_bases, rank_for_variance
 from attnsurg.methods.consumers import layer_contexts, layer_inv_freq
-from attnsurg.methods.lowrank import allocated_ranks, decompose, plan_units, uniform_ranks
+from attnsurg.methods.lowrank import LowRankSettings, allocated_ranks, decompose, plan_units, uniform_ranks
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
 from attnsurg.pipelines.steps import Surgery, check_calibration, load_source, source_windows
 from attnsurg.placement import on_device
 from attnsurg.recipe import (
     EVAL_DOMAINS,
-    REQUEST_FOR,
     ConvertMLA,
-    HeadTensorSettings,
-    LokiSettings,
-    LowRankSettings,
     MLASettings,
     PlanRequest,
     Recipe,
     SurgeryRequest,
     TextData,
+    request_type,
 )
 
 PROXY_WINDOWS = 2  # calibration windows the attention-based proxies (loki, mla) are measured on
@@ -328,7 +326,7 @@ def smallest_within(budgets: tuple[float, ...], predicted: list[float], target: 
 # ------------------------------------------------------------------------------------------ conversions
 def request_at(ctx: PlanContext, settings: BaseModel, output: Path, eval_domains: list[str] | None = None) -> SurgeryRequest:
     """The method's request at a budget, calibrated and scored as the plan is (no other domains unless given)."""
-    return REQUEST_FOR[type(settings)](model=ctx.request.model, output=output, calibration=ctx.request.calibration,
+    return request_type(type(settings))(model=ctx.request.model, output=output, calibration=ctx.request.calibration,
                                        eval_tokens=ctx.request.eval_tokens, eval_domains=eval_domains or [],
                                        seed=ctx.request.seed, **dict(settings))
 

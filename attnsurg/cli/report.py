@@ -30,7 +30,6 @@ def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_out
 
 def print_report(recipe, report, dry_run: bool, json_output: bool) -> None:
     from attnsurg.pipelines.convert import ConvertReport
-    from attnsurg.methods.loki import LokiPlan
     from attnsurg.pipelines.run import HealRunReport
 
     model = recipe.model.ref
@@ -38,8 +37,6 @@ def print_report(recipe, report, dry_run: bool, json_output: bool) -> None:
         print_convert_report(model, report, json_output)
     elif isinstance(report, HealRunReport):
         print_heal_report(recipe, report, dry_run, json_output)
-    elif isinstance(report.plan, LokiPlan):
-        print_loki_report(model, report, json_output)
     else:
         print_compress_report(model, report, dry_run, json_output)
 
@@ -131,86 +128,24 @@ def print_heal_summary(heal) -> None:
 
 
 def print_compress_report(model: str, report, dry_run: bool, json_output: bool) -> None:
-    from attnsurg.methods.factorized import rank_rows
+    """The method's own figures (``CompressMethod.report_record`` / ``report_text``), then what every run has."""
+    from attnsurg.methods.base import method_of
 
-    plan = report.plan
-    rows = rank_rows(plan)
-    flops = plan.flops_before(), plan.flops_after()
+    method = method_of(report.plan)
     if json_output:
-        record = {"plan": rank_rows(plan, labels=False), "kept_fraction": plan.kept_fraction, "params": [plan.params_before(), plan.params_after()],
-                  "projection_flops_per_token": list(flops), "kv_values_per_token": [report.anatomy.kv_values_per_token, plan.kv_values_after()],
-                  "written": report.written, "seconds": report.seconds, "factorize_seconds": report.factorize_seconds,
-                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-                  "heal": heal_record(report.heal), "domains": domains_record(report)}
+        record = method.report_record(report.plan, report.anatomy) | {
+            "written": report.written, "seconds": report.seconds, "factorize_seconds": report.factorize_seconds,
+            "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+            "heal": heal_record(report.heal), "domains": domains_record(report)}
         print(json.dumps(record, indent=2))
         return
-    out.print(lowrank_plan_table(model, plan, rows, dry_run))
-    budget = "KV cache" if plan.kv_latent else "targeted parameters"
-    out.print(
-        f"kept {plan.kept_fraction:.3f} of the {budget}; projection params {plan.params_before():,} -> {plan.params_after():,}, "
-        f"FLOPs/token {flops[0]:,} -> {flops[1]:,}; KV values/token {report.anatomy.kv_values_per_token:,} -> {plan.kv_values_after():,}"
-    )
+    for renderable in method.report_text(model, report.plan, report.anatomy, dry_run):
+        out.print(renderable)
     if report.written:
-        out.print(f"wrote {report.written} in {report.seconds:.1f} s (factorization {report.factorize_seconds:.1f} s), "
-                  f"peak memory {report.peak_memory_gb:.2f} GB")
+        timed = f" ({method.timed_step} {report.factorize_seconds:.1f} s)" if method.timed_step else ""
+        out.print(f"wrote {report.written} in {report.seconds:.1f} s{timed}, peak memory {report.peak_memory_gb:.2f} GB")
     print_heal_summary(report.heal)
     print_ppl(report)
-
-
-def print_loki_report(model: str, report, json_output: bool) -> None:
-    plan = report.plan
-    record = {"rank": plan.rank, "ranks": plan.layer_ranks(), "variance": plan.variance, "top_k": plan.top_k,
-              "basis": plan.basis, "written": report.written,
-              "seconds": report.seconds, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-              "heal": heal_record(report.heal), "domains": domains_record(report)}
-    if json_output:
-        print(json.dumps(record, indent=2))
-        return
-    top_k = f"{plan.top_k:g} of the context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
-    if plan.rank is not None:
-        scoring = f"{plan.rank} of {plan.head_dim} principal coordinates"
-    else:
-        ranks = f"; ranks {plan.rank_label()}" if plan.ranks else " (set after calibration)"
-        scoring = (f"its own rank, the fewest of {plan.head_dim} principal coordinates holding {plan.variance:g} of "
-                   f"the key variance{ranks}")
-    out.print(f"loki plan for {model}: every layer scores keys with {scoring} ({plan.basis} basis) and attends "
-              f"over the top {top_k}")
-    if report.written:
-        out.print(f"wrote {report.written} in {report.seconds:.1f} s, peak memory {report.peak_memory_gb:.2f} GB")
-    print_heal_summary(report.heal)
-    print_ppl(report)
-
-
-
-def lowrank_plan_table(model: str, plan, rows: list[dict], dry_run: bool) -> Table:
-    """Ranks per layer; consecutive layers with the same ranks share one row."""
-    from attnsurg.methods.factorized import COLUMN_TITLES
-
-    names = plan.columns
-    note = ""
-    if dry_run and plan.allocate:
-        note = " (uniform; --allocate redistributes after calibration)"
-    if dry_run and getattr(plan, "choose_ranks", False):
-        note = " (Tucker heads x head_dim x hidden; the split between modes is chosen per projection after calibration)"
-    table = Table(title=f"{plan.method} plan for {model}{note}", title_justify="left")
-    table.add_column("layers", justify="right")
-    for name in names:
-        table.add_column(COLUMN_TITLES[name], justify="right")
-    table.add_column("params/layer", justify="right")
-    groups: list[list[dict]] = []
-    for row in rows:
-        key = [row[n] for n in names]
-        if groups and [groups[-1][0][n] for n in names] == key:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    for group in groups:
-        first, last = group[0], group[-1]
-        span = str(first["layer"]) if first is last else f"{first['layer']}-{last['layer']}"
-        cells = [first[n] for n in names]
-        table.add_row(span, *cells, f"{first['params_before']:,} -> {first['params_after']:,}")
-    return table
-
 
 def print_heal_report(recipe, report, dry_run: bool, json_output: bool) -> None:
     settings = recipe.heal

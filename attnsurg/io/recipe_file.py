@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from attnsurg.errors import UserError
-from attnsurg.recipe import COMPRESS_METHODS, Recipe
+from attnsurg.recipe import Recipe
 
 RECIPE_FILE = "attnsurg_recipe.yaml"
 
@@ -81,7 +81,7 @@ def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
             method = value_at(data, loc).get("method") if isinstance(value_at(data, loc), dict) else None
             if method is not None:
                 loc += ("method",)
-                first["msg"] = f"unknown method {method!r}; choose from {', '.join(COMPRESS_METHODS)}"
+                first["msg"] = f"unknown method {method!r}; choose from {first['ctx']['methods']}"
         line = line_of(root, loc)
         where = f"{name}:{line}" if line else name
         field = format_loc(loc)

@@ -1,6 +1,8 @@
 """Surgery methods: a registry of what each method is and which models it can operate on.
 
-Each method lives in its own module and registers a :class:`MethodSpec` with :func:`register`.
+Each method lives in its own module of this package and registers a :class:`MethodSpec` with :func:`register`
+(and a ``compress`` method its ``base.CompressMethod`` with ``base.register_compressor``); importing the package
+imports every module.
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ def method_support(anatomy: AttentionAnatomy) -> dict[str, str | None]:
 
 
 def _register_builtin_methods() -> None:
-    """Import each method module once so it registers itself."""
-    from attnsurg.methods import headtensor, loki, lowrank, mla, stacked_tucker  # noqa: F401
+    """Import every module of this package once, so each method registers itself: a new method is one new
+    module here."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
 
 
 _register_builtin_methods()

@@ -20,6 +20,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.methods.consumers import LayerContext
+from attnsurg.recipe import CompressSettings
 
 LayerStatistics = tuple[InputStatistics, InputStatistics]  # a layer's attention input and o_proj input
 Progress = Callable[..., None] | None
@@ -59,11 +60,14 @@ class CardText:
 
 
 class CompressMethod(ABC):
-    """One ``compress`` method. ``names`` are the ``--method`` values it answers to; ``plan_type`` the class of
-    the plans it makes, by which a plan finds its method again (``method_of``)."""
+    """One ``compress`` method. ``names`` are the ``--method`` values it answers to; ``settings`` the class of
+    its recipe step and command-line options (a ``recipe.CompressSettings``); ``plan_type`` the class of the
+    plans it makes, by which a plan finds its method again (``method_of``)."""
 
     names: ClassVar[tuple[str, ...]]
+    settings: ClassVar[type[CompressSettings]]
     plan_type: ClassVar[type]
+    timed_step: ClassVar[str | None] = None  # what the report's seconds of the operation are called
 
     def handles(self, settings) -> bool:
         """Whether this method runs these settings (``LowRankSettings``, ``HeadTensorSettings``, ...)."""
@@ -85,6 +89,14 @@ class CompressMethod(ABC):
     @abstractmethod
     def card_text(self, settings, plan, anatomy: AttentionAnatomy) -> CardText:
         """The card's title, summary, details and figures for this plan (after the operation)."""
+
+    @abstractmethod
+    def report_record(self, plan, anatomy: AttentionAnatomy) -> dict:
+        """The plan's figures in the command's ``--json`` record (the run's own follow them)."""
+
+    @abstractmethod
+    def report_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+        """What the command prints of the plan (strings or rich renderables), before what every run prints."""
 
     def surgery(self, plan, family: Family) -> dict:
         """The ``config.attnsurg`` record the operated checkpoint is rebuilt from."""
@@ -118,6 +130,16 @@ def register_compressor(method: CompressMethod) -> CompressMethod:
         raise ValueError(f"compress method {method.names} registered twice")
     COMPRESSORS.append(method)
     return method
+
+
+def compress_method_names() -> list[str]:
+    """Every ``--method`` value, in the order the methods registered."""
+    return list(dict.fromkeys(name for method in COMPRESSORS for name in method.names))
+
+
+def settings_for_method(name: str) -> type[CompressSettings] | None:
+    """The settings class of the method named ``name``, or None when no method answers to it."""
+    return next((method.settings for method in COMPRESSORS if name in method.names), None)
 
 
 def compressor_for(settings) -> CompressMethod:

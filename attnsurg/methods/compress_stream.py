@@ -17,6 +17,7 @@ bases beside the layer's unchanged weights.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -29,13 +30,9 @@ from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.base import LayerTensors, method_of
 from attnsurg.methods.consumers import LayerContext
 from attnsurg.methods.factorized import attnsurg_config
-from attnsurg.methods.headtensor import HeadTensorPlan
-from attnsurg.methods.loki import LokiPlan
-from attnsurg.methods.lowrank import LowRankPlan
-from attnsurg.methods.stacked_tucker import StackedTuckerPlan
 from attnsurg.modeling.modeling_attnsurg import CLASSES
 
-Plan = LowRankPlan | HeadTensorPlan | StackedTuckerPlan | LokiPlan
+Plan = Any  # a compress method's plan; ``method_of(plan)`` finds the method again
 
 
 @torch.no_grad()

@@ -5,6 +5,7 @@ and what their model cards say (ranks per module, parameters, FLOPs, KV cache)."
 from __future__ import annotations
 
 import torch
+from rich.table import Table
 from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
@@ -112,3 +113,48 @@ def factorized_card_text(plan, anatomy: AttentionAnatomy, kind: str, budget: str
         figures=factorized_figures(plan, anatomy),
         sections={"Ranks per module": rank_table(plan, rank_note)},
     )
+
+
+def factorized_record(plan, anatomy: AttentionAnatomy) -> dict:
+    """The ``--json`` figures of a factorized plan: ranks per unit, parameters, FLOPs and the KV cache."""
+    return {"plan": rank_rows(plan, labels=False), "kept_fraction": plan.kept_fraction,
+            "params": [plan.params_before(), plan.params_after()],
+            "projection_flops_per_token": [plan.flops_before(), plan.flops_after()],
+            "kv_values_per_token": [anatomy.kv_values_per_token, plan.kv_values_after()]}
+
+
+def factorized_text(model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+    """The rank table and the budget line the command prints."""
+    budget = "KV cache" if plan.kv_latent else "targeted parameters"
+    return [plan_table(model, plan, rank_rows(plan), dry_run),
+            f"kept {plan.kept_fraction:.3f} of the {budget}; projection params {plan.params_before():,} -> "
+            f"{plan.params_after():,}, FLOPs/token {plan.flops_before():,} -> {plan.flops_after():,}; KV values/token "
+            f"{anatomy.kv_values_per_token:,} -> {plan.kv_values_after():,}"]
+
+
+def plan_table(model: str, plan, rows: list[dict], dry_run: bool) -> Table:
+    """Ranks per layer; consecutive layers with the same ranks share one row."""
+    names = plan.columns
+    note = ""
+    if dry_run and plan.allocate:
+        note = " (uniform; --allocate redistributes after calibration)"
+    if dry_run and getattr(plan, "choose_ranks", False):
+        note = " (Tucker heads x head_dim x hidden; the split between modes is chosen per projection after calibration)"
+    table = Table(title=f"{plan.method} plan for {model}{note}", title_justify="left")
+    table.add_column("layers", justify="right")
+    for name in names:
+        table.add_column(COLUMN_TITLES[name], justify="right")
+    table.add_column("params/layer", justify="right")
+    groups: list[list[dict]] = []
+    for row in rows:
+        key = [row[n] for n in names]
+        if groups and [groups[-1][0][n] for n in names] == key:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    for group in groups:
+        first, last = group[0], group[-1]
+        span = str(first["layer"]) if first is last else f"{first['layer']}-{last['layer']}"
+        cells = [first[n] for n in names]
+        table.add_row(span, *cells, f"{first['params_before']:,} -> {first['params_after']:,}")
+    return table

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+from pydantic import Field, field_validator, model_validator
 from transformers import PreTrainedModel
 
 from attnsurg import ui
@@ -34,15 +36,70 @@ from attnsurg.errors import UserError
 from attnsurg.linalg import cholesky_whitening
 from attnsurg.methods import MethodSpec, cp, register, tucker
 from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
-from attnsurg.methods.factorized import assemble_factorized, factorized_card_text
+from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
 from attnsurg.methods.consumers import LayerContext, layer_contexts
-from attnsurg.methods.lowrank import PROJECTIONS, parse_targets, unsupported_reason
+from attnsurg.methods.lowrank import PROJECTIONS, parse_targets, targets_of, unsupported_reason
+from attnsurg.recipe import CompressSettings
 
 DECOMPOSERS = {"tucker": tucker, "cp": cp}
 MAX_ITERATIONS = 50
 
 for _module in DECOMPOSERS.values():
     register(MethodSpec(_module.NAME, _module.SUMMARY, unsupported_reason))
+
+
+class HeadTensorSettings(CompressSettings):
+    """``compress --method tucker|cp``. The budget is ``ratio`` or ``ranks``: Tucker's (heads, head_dim,
+    hidden) mode ranks, or CP's single rank. ``stacked`` (Tucker only): q, k, v and o of a layer in one
+    decomposition with factors shared across heads and projections; its ranks are (head_dim, hidden)."""
+
+    method: Literal["tucker", "cp"] = "tucker"
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    ratio: float | None = Field(None, gt=0, le=1)
+    ranks: tuple[int, ...] | None = None
+    weighted: bool = True
+    stacked: bool = False
+    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
+
+    @classmethod
+    def accepts(cls, key: str) -> bool:
+        return key == "rank" or super().accepts(key)  # CP's single rank (``--rank``)
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _projection_names(cls, value) -> tuple[str, ...]:
+        return targets_of(value)
+
+    @field_validator("ranks", mode="before")
+    @classmethod
+    def _comma_list(cls, value):
+        """``"9,48,160"`` (the command line's ``--ranks``) as a list of ranks."""
+        if isinstance(value, str):
+            try:
+                return [int(part) for part in value.split(",")]
+            except ValueError:
+                raise ValueError(f"expects comma-separated integers such as 9,48,160, got '{value}'") from None
+        return value
+
+    @model_validator(mode="after")
+    def _stacked_is_tucker(self):
+        if self.stacked and self.method != "tucker":
+            raise ValueError("stacked is a Tucker layout; use method: tucker")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cp_rank(cls, data):
+        """``rank: R`` is how CP's single rank reads in a recipe (as ``--rank`` on the command line); Tucker has
+        one rank per mode."""
+        if not isinstance(data, dict) or "rank" not in data:
+            return data
+        if data.get("method") == "tucker":
+            modes = "head_dim,hidden (e.g. --ranks 64,200)" if data.get("stacked") else "heads,head_dim,hidden (e.g. --ranks 9,48,160)"
+            raise ValueError(f"tucker takes one rank per mode: --ranks {modes}")
+        if data.get("method") == "cp" and "ranks" not in data:
+            data = {key: value for key, value in data.items() if key != "rank"} | {"ranks": [data["rank"]]}
+        return data
 
 
 @dataclass(frozen=True)
@@ -418,7 +475,9 @@ class HeadTensor(CompressMethod):
     """``compress --method tucker|cp`` (each projection's heads as one tensor)."""
 
     names = ("tucker", "cp")
+    settings = HeadTensorSettings
     plan_type = HeadTensorPlan
+    timed_step = "factorization"
 
     def handles(self, settings) -> bool:
         return settings.method in self.names and not getattr(settings, "stacked", False)
@@ -447,6 +506,12 @@ class HeadTensor(CompressMethod):
     def warn_capped(self, plan: HeadTensorPlan, unconverged: list[tuple[str, float]], total: int) -> None:
         warn_unconverged(unconverged, total, f"{plan.method} decompositions", f"{MAX_ITERATIONS} iterations",
                          DECOMPOSERS[plan.method].TOLERANCE)
+
+    def report_record(self, plan, anatomy: AttentionAnatomy) -> dict:
+        return factorized_record(plan, anatomy)
+
+    def report_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+        return factorized_text(model, plan, anatomy, dry_run)
 
     def card_text(self, settings, plan: HeadTensorPlan, anatomy: AttentionAnatomy) -> CardText:
         split = "; Tucker mode ranks chosen per projection by HOSVD error" if plan.choose_ranks else ""

@@ -15,8 +15,10 @@ model is the original. The attention keeps the family's query scale, score soft-
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
+from pydantic import Field, field_validator
 from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
@@ -28,6 +30,7 @@ from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operat
 from attnsurg.methods.factorized import assemble_factorized
 from attnsurg.methods.consumers import LayerContext, attention_moments, layer_inv_freq, rotation_average
 from attnsurg.methods.lowrank import unsupported_reason
+from attnsurg.recipe import CompressSettings
 
 NAME = "loki"
 SUMMARY = "top-k attention with keys scored by their first R principal coordinates (Loki)"
@@ -77,6 +80,33 @@ def parse_top_k(text: str) -> int | float:
     except (ValueError, ZeroDivisionError):
         raise UserError(f"--top-k expects a count (64) or a fraction of the context (0.25 or 1/4), got '{text}'") from None
     return value
+
+
+def top_k_of(value):
+    """``--top-k`` as given on the command line (``"64"``, ``"0.25"``, ``"1/4"``), or a number."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_top_k(value)
+    except UserError as exc:
+        raise ValueError(str(exc).removeprefix("--top-k ")) from None
+
+
+class LokiSettings(CompressSettings):
+    """``compress --method loki``: keys scored by ``rank`` principal coordinates, exact attention over the
+    ``top_k`` best (a count of keys, or a float in (0, 1]: a fraction of each query's context)."""
+
+    method: Literal["loki"] = "loki"
+    rank: int | None = Field(None, gt=0)
+    variance: float | None = Field(None, gt=0, le=1)  # instead of rank: per-layer ranks keeping this share of the key variance
+    top_k: int | float | None = None
+    basis: Literal["post-rope", "pre-rope"] = "post-rope"
+    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _count_or_share(cls, value):
+        return top_k_of(value)
 
 
 def plan_loki(
@@ -185,6 +215,7 @@ class Loki(CompressMethod):
     """``compress --method loki``: the weights stay; each layer gains its key bases."""
 
     names = (NAME,)
+    settings = LokiSettings
     plan_type = LokiPlan
 
     def plan(self, anatomy: AttentionAnatomy, settings) -> LokiPlan:
@@ -207,6 +238,21 @@ class Loki(CompressMethod):
     def apply_records(self, plan: LokiPlan, records: list) -> list[float]:
         plan.ranks = list(records)
         return []
+
+    def report_record(self, plan: LokiPlan, anatomy: AttentionAnatomy) -> dict:
+        return {"rank": plan.rank, "ranks": plan.layer_ranks(), "variance": plan.variance, "top_k": plan.top_k,
+                "basis": plan.basis}
+
+    def report_text(self, model: str, plan: LokiPlan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+        top_k = f"{plan.top_k:g} of the context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
+        if plan.rank is not None:
+            scoring = f"{plan.rank} of {plan.head_dim} principal coordinates"
+        else:
+            ranks = f"; ranks {plan.rank_label()}" if plan.ranks else " (set after calibration)"
+            scoring = (f"its own rank, the fewest of {plan.head_dim} principal coordinates holding {plan.variance:g} "
+                       f"of the key variance{ranks}")
+        return [f"loki plan for {model}: every layer scores keys with {scoring} ({plan.basis} basis) and attends "
+                f"over the top {top_k}"]
 
     def card_text(self, settings, plan: LokiPlan, anatomy: AttentionAnatomy) -> CardText:
         top_k = f"{plan.top_k:g} of each query's context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"

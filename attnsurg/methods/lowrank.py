@@ -25,8 +25,10 @@ uniform rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+from pydantic import Field, field_validator, model_validator
 from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
@@ -37,7 +39,8 @@ from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
 from attnsurg.methods import MethodSpec, asvd, register, svd, svdllm
 from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
-from attnsurg.methods.factorized import assemble_factorized, factorized_card_text
+from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
+from attnsurg.recipe import CompressSettings
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 METRICS = {module.NAME: module for module in (svd, asvd, svdllm)}
@@ -154,6 +157,40 @@ def parse_targets(targets: str | tuple[str, ...] | list[str]) -> tuple[str, ...]
     if unknown or not names:
         raise UserError(f"unknown target {unknown[0] if unknown else '(none)'!r}; choose from q,k,v,o, e.g. --targets k,v")
     return tuple(t for t in PROJECTIONS if t in names)
+
+
+def targets_of(value) -> tuple[str, ...]:
+    """``"k,v"`` or ``[k, v]`` as projection names in q, k, v, o order."""
+    try:
+        return parse_targets(value)
+    except UserError as exc:
+        raise ValueError(str(exc)) from None
+
+
+class LowRankSettings(CompressSettings):
+    """``compress --method svd|asvd|svdllm``. The budget is ``ratio`` (the fraction of the targeted
+    projections' parameters kept; with ``kv_latent``, of the KV cache) or one ``rank`` everywhere."""
+
+    method: Literal["svd", "asvd", "svdllm"] = "svdllm"
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    ratio: float | None = Field(None, gt=0, le=1)
+    rank: int | None = Field(None, gt=0)
+    kv_latent: bool = False
+    allocate: bool = False
+    weighted: bool | None = None
+    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _projection_names(cls, value) -> tuple[str, ...]:
+        return targets_of(value)
+
+    @model_validator(mode="after")
+    def _stream_with_uniform_ranks(self):
+        if self.stream and self.allocate:
+            raise ValueError("allocate (--allocate) needs every layer's spectrum before the first rank is chosen, so "
+                             "it does not stream (--stream); drop one of them")
+        return self
 
 
 def plan_units(anatomy: AttentionAnatomy, targets: tuple[str, ...], kv_latent: bool) -> list[Unit]:
@@ -393,7 +430,9 @@ class LowRank(CompressMethod):
     """``compress --method svd|asvd|svdllm``."""
 
     names = ("svd", "asvd", "svdllm")
+    settings = LowRankSettings
     plan_type = LowRankPlan
+    timed_step = "factorization"
 
     def plan(self, anatomy: AttentionAnatomy, settings) -> LowRankPlan:
         return plan_lowrank(anatomy, settings.method, settings.targets, settings.ratio, settings.rank,
@@ -418,6 +457,12 @@ class LowRank(CompressMethod):
 
     def stream_refusal(self, plan: LowRankPlan) -> str | None:
         return "allocated ranks need every layer's spectrum first; stream with uniform ranks" if plan.allocate else None
+
+    def report_record(self, plan, anatomy: AttentionAnatomy) -> dict:
+        return factorized_record(plan, anatomy)
+
+    def report_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+        return factorized_text(model, plan, anatomy, dry_run)
 
     def card_text(self, settings, plan: LowRankPlan, anatomy: AttentionAnatomy) -> CardText:
         budget = f"ratio {settings.ratio}" if settings.ratio is not None else f"rank {settings.rank}"

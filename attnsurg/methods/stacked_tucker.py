@@ -40,8 +40,8 @@ from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
-from attnsurg.methods.factorized import assemble_factorized, factorized_card_text
-from attnsurg.methods.headtensor import budget_line, diagonal_blocks, warn_unconverged
+from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
+from attnsurg.methods.headtensor import HeadTensorSettings, budget_line, diagonal_blocks, warn_unconverged
 from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.methods.lowrank import unsupported_reason
 
@@ -446,7 +446,9 @@ class StackedTucker(CompressMethod):
     """``compress --method tucker --stacked`` (TensorLLM layout)."""
 
     names = ("tucker",)
+    settings = HeadTensorSettings
     plan_type = StackedTuckerPlan
+    timed_step = "factorization"
 
     def handles(self, settings) -> bool:
         return settings.method == "tucker" and getattr(settings, "stacked", False)
@@ -475,6 +477,12 @@ class StackedTucker(CompressMethod):
 
     def warn_capped(self, plan: StackedTuckerPlan, unconverged: list[tuple[str, float]], total: int) -> None:
         warn_unconverged(unconverged, total, "stacked Tucker fits", f"{MAX_ITERATIONS} sweeps", TOLERANCE)
+
+    def report_record(self, plan, anatomy: AttentionAnatomy) -> dict:
+        return factorized_record(plan, anatomy)
+
+    def report_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+        return factorized_text(model, plan, anatomy, dry_run)
 
     def card_text(self, settings, plan: StackedTuckerPlan, anatomy: AttentionAnatomy) -> CardText:
         kv_note = (" Where a layer's hidden rank is below the K and V width, its cache holds the shared hidden "

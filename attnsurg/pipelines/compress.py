@@ -1,6 +1,6 @@
 """``attnsurg compress``: plan -> load -> calibrate -> factorize -> evaluate -> write.
 
-Every compress method (svd, asvd, svdllm, tucker, cp, stacked tucker, loki) runs through this one pipeline; what
+Every registered compress method runs through this one pipeline; what
 differs is asked of the method itself (``methods/base.CompressMethod``: its plan, operation and card).
 """
 
@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedModel
 
@@ -23,10 +24,7 @@ from attnsurg.io.lazy import CheckpointReader
 from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.base import compressor_for, method_of
 from attnsurg.methods.compress_stream import compress_streamed
-from attnsurg.methods.headtensor import HeadTensorPlan
-from attnsurg.methods.loki import LokiPlan
-from attnsurg.methods.lowrank import PROJECTIONS, LowRankPlan
-from attnsurg.methods.stacked_tucker import StackedTuckerPlan
+from attnsurg.methods.lowrank import PROJECTIONS
 from attnsurg.modeling import MODELING_FILE
 from attnsurg.pipelines.steps import (
     base_model_id,
@@ -41,15 +39,15 @@ from attnsurg.pipelines.steps import (
     start_streamed,
     start_surgery,
 )
-from attnsurg.recipe import CompressHeadTensor, CompressLoki, CompressLowRank, Recipe
+from attnsurg.recipe import Recipe, SurgeryRequest
 
-Plan = LowRankPlan | HeadTensorPlan | StackedTuckerPlan
-Request = CompressLowRank | CompressHeadTensor | CompressLoki
+Plan = Any  # a compress method's plan; ``method_of(plan)`` finds the method again
+Request = SurgeryRequest  # a compress method's settings with the SurgeryContext (recipe.request_type)
 
 
 @dataclass
 class CompressReport:
-    plan: Plan | LokiPlan
+    plan: Plan
     anatomy: AttentionAnatomy
     written: str | None = None
     seconds: float = 0.0

@@ -1,6 +1,7 @@
 """attnsurg: attention surgery for pretrained causal language models.
 
-The commands as functions (``attnsurg.api``): ``convert``, ``compress``, ``evaluate`` and ``run``.
+The commands as functions (``attnsurg.api``): ``convert``, ``compress``, ``evaluate`` and ``run``; ``load``
+returns a model ready to generate and its tokenizer (``attnsurg.generate``).
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -13,7 +14,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 from attnsurg.errors import UserError
 
 API = ("convert", "compress", "evaluate", "run")
-__all__ = ["UserError", "__version__", *API]
+__all__ = ["UserError", "__version__", "load", *API]
 
 
 def __getattr__(name: str):
@@ -22,4 +23,8 @@ def __getattr__(name: str):
         from attnsurg import api
 
         return getattr(api, name)
+    if name == "load":
+        from attnsurg.generate import load
+
+        return load
     raise AttributeError(f"module 'attnsurg' has no attribute {name!r}")

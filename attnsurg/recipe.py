@@ -28,6 +28,7 @@ from pydantic_core import PydanticCustomError
 from attnsurg.errors import UserError
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Runtime = Literal["attnsurg", "stock"]  # how a DeepseekV3 model attends at inference: absorbed, or transformers' own
 
 
 class Strict(BaseModel):
@@ -181,6 +182,8 @@ class SpeedEval(Strict):
     new_tokens: int = Field(64, ge=0)
     repeats: int = Field(3, gt=0)
     warmup: int = Field(1, ge=0)
+    batch: int = Field(1, gt=0, description="Sequences decoded together.")
+    runtimes: list[Runtime] = Field(default_factory=lambda: ["attnsurg", "stock"], min_length=1)
     dtype: DType = "auto"
     device: str = "auto"
     seed: int = 0
@@ -191,6 +194,20 @@ class SpeedEval(Strict):
         if any(c < 1 for c in contexts):
             raise ValueError("contexts must be positive token counts")
         return contexts
+
+
+class GenerateRequest(Strict):
+    """``attnsurg generate``: one prompt, tokens streamed as they are decoded."""
+
+    model: ModelRef
+    prompt: str = Field(min_length=1)
+    max_new_tokens: int = Field(128, gt=0)
+    chat: bool = True  # through the tokenizer's chat template when it has one
+    temperature: float = Field(0.0, ge=0)  # 0: greedy
+    runtime: Runtime = "attnsurg"
+    dtype: DType = "auto"
+    device: str = "auto"
+    seed: int = 0
 
 
 class AnalyzeRequest(Strict):

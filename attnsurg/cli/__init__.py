@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import sys
 
-from attnsurg.cli import analyze, assets, compress, convert, evaluate, export, heal, info, recipes  # noqa: F401  (registers commands)
+from attnsurg.cli import (  # noqa: F401  (registers commands)
+    analyze, assets, compress, convert, evaluate, export, generate, heal, info, recipes,
+)
 from attnsurg.cli.common import app
 
 __all__ = ["app", "main"]

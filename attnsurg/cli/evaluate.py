@@ -292,6 +292,7 @@ def passkey_table(report) -> Table:
 @eval_app.command("speed", epilog=examples(
     "attnsurg eval speed smollm2-135m out/mla50",
     "attnsurg eval speed smollm2-135m out/mla50 --context 512,2048 --repeats 5",
+    "attnsurg eval speed smollm2-135m out/mla50 --context 4096 --batch 8 --runtime attnsurg",
     guide="eval.md"))
 @user_errors
 def eval_speed(
@@ -304,6 +305,11 @@ def eval_speed(
                                          rich_help_panel=EVALUATION)] = 3,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs per context before timing.",
                                         rich_help_panel=EVALUATION)] = 1,
+    batch: Annotated[int, typer.Option("--batch", help="Sequences prefilled and decoded together.",
+                                       rich_help_panel=EVALUATION)] = 1,
+    runtime: Annotated[str, typer.Option(
+        "--runtime", help="DeepseekV3 models' runtimes, comma-separated: attnsurg (latent attention), stock.",
+        rich_help_panel=EVALUATION)] = "attnsurg,stock",
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",
     seed: Annotated[int, typer.Option("--seed", help="Random seed of the prompt tokens.", rich_help_panel=OUTPUT)] = 0,
@@ -321,6 +327,8 @@ def eval_speed(
         new_tokens=new_tokens,
         repeats=repeats,
         warmup=warmup,
+        batch=batch,
+        runtimes=parse_runtimes(runtime),
         dtype=dtype,
         device=device,
         seed=seed,
@@ -333,7 +341,8 @@ def eval_speed(
 
 
 def speed_table(report) -> Table:
-    title = (f"Speed: prefill, then {report.new_tokens} greedy decode steps; medians of {report.repeats}; "
+    batch = f"batch {report.batch}, " if report.batch > 1 else ""
+    title = (f"Speed: prefill, then {report.new_tokens} greedy decode steps; {batch}medians of {report.repeats}; "
              f"ratios to the first model; memory: {report.memory_note}")
     table = Table(title=title, title_justify="left")
     for column in ("model", "context", "prefill tok/s", "decode tok/s", "KV cache held", "KV B/token (config)", "peak memory"):
@@ -344,7 +353,7 @@ def speed_table(report) -> Table:
             show = index > 0
             peak = "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.2f} GiB"
             table.add_row(
-                ui.described(model.model, f"{model.model_type}, {model.dtype}, {model.device}") if c is model.contexts[0] else "",
+                ui.described(model.model, described_run(model)) if c is model.contexts[0] else "",
                 f"{c.context:,}",
                 f"{c.prefill_tokens_per_second:,.0f}" + (f" (x{ratio['prefill']:.2f})" if show else ""),
                 f"{c.decode_tokens_per_second:,.1f}" + (f" (x{ratio['decode']:.2f})" if show else ""),
@@ -353,3 +362,19 @@ def speed_table(report) -> Table:
                 peak,
             )
     return table
+
+
+def described_run(model) -> str:
+    runtime = f", {model.runtime} runtime" if model.runtime else ""
+    return f"{model.model_type}, {model.dtype}, {model.device}{runtime}"
+
+
+def parse_runtimes(text: str) -> list[str]:
+    from attnsurg.modeling.absorbed import RUNTIMES
+
+    runtimes = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in runtimes if r not in RUNTIMES]
+    if unknown or not runtimes:
+        raise UserError(f"--runtime: '{unknown[0] if unknown else text}' is not a runtime; "
+                        f"use {' or '.join(RUNTIMES)}, or both comma-separated")
+    return runtimes

@@ -1,10 +1,14 @@
 """``attnsurg eval speed``: prefill and decode throughput, the KV cache a model really holds, and peak
 memory, every model on the same random token ids, medians over repetitions after a warm-up.
 
-- Prefill: one forward over ``context`` tokens building the cache; tokens/s = context / seconds.
-- Decode: ``new_tokens`` greedy steps on that cache, one token each; tokens/s = new tokens / seconds.
+- Prefill: one forward over ``batch`` sequences of ``context`` tokens building the cache; tokens/s =
+  batch x context / seconds.
+- Decode: ``new_tokens`` greedy steps on that cache, one token per sequence each; tokens/s = batch x new
+  tokens / seconds.
 - KV cache: the bytes of every tensor the cache object holds after decoding, divided by the tokens in it
   (what the layout really stores, not what the config predicts; the prediction is printed beside it).
+- Runtimes: a DeepseekV3 model is timed in each runtime asked for (``attnsurg``: attention over the cached
+  latent, ``modeling.absorbed``; ``stock``: transformers' own); a model the runtime does not change, once.
 - Peak memory: CUDA's peak allocation, or on Linux CPUs the process's peak resident set (VmHWM), reset
   before each measurement, so it includes the weights.
 """
@@ -25,6 +29,7 @@ from attnsurg import ui
 from attnsurg.errors import UserError
 from attnsurg.eval.loading import Loaded, check_models, load_weights, prepare_for_eval
 from attnsurg.eval.tasks.scoring import cached_forward, returned_cache
+from attnsurg.modeling.absorbed import runtime_applies, use_runtime
 from attnsurg.recipe import ModelRef, SpeedEval
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -46,6 +51,7 @@ class ContextSpeed:
 @dataclass
 class ModelSpeed:
     model: str
+    runtime: str | None  # None: the runtime changes nothing in this model
     model_type: str
     dtype: str
     device: str
@@ -59,6 +65,7 @@ class SpeedReport:
     contexts: list[int]
     new_tokens: int
     repeats: int
+    batch: int
     models: list[ModelSpeed] = field(default_factory=list)
     memory_note: str = ""
 
@@ -137,7 +144,7 @@ def prefill_and_decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float
 def measure_context(loaded: Loaded, context: int, request: SpeedEval) -> ContextSpeed:
     generator = torch.Generator().manual_seed(request.seed)
     vocab = loaded.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, context), generator=generator).to(loaded.device)
+    ids = torch.randint(0, vocab, (request.batch, context), generator=generator).to(loaded.device)
     prefills, decodes = [], []
     peak = None
     for repeat in range(request.warmup + request.repeats):
@@ -151,17 +158,29 @@ def measure_context(loaded: Loaded, context: int, request: SpeedEval) -> Context
                 peak = max(peak or 0, peak_memory(loaded.device) or 0) or None
             held = cache_bytes(cache)
         del cache
-    tokens = context + request.new_tokens
+    tokens = request.batch * (context + request.new_tokens)
+    decoded = request.batch * request.new_tokens
     return ContextSpeed(
         context=context,
-        prefill_tokens_per_second=context / statistics.median(prefills),
-        decode_tokens_per_second=request.new_tokens / statistics.median(decodes) if request.new_tokens else float("nan"),
+        prefill_tokens_per_second=request.batch * context / statistics.median(prefills),
+        decode_tokens_per_second=decoded / statistics.median(decodes) if decoded else float("nan"),
         prefill_seconds=prefills,
         decode_seconds=decodes,
         kv_cache_bytes=held,
         kv_bytes_per_token=held / tokens,
         peak_memory_bytes=peak,
     )
+
+
+def time_model(loaded: Loaded, runtime: str | None, request: SpeedEval) -> ModelSpeed:
+    record = ModelSpeed(loaded.ref.ref, runtime, loaded.anatomy.model_type, loaded.dtype_name, str(loaded.device),
+                        loaded.anatomy.kv_bytes_per_token(loaded.dtype_name))
+    label = loaded.ref.ref + (f" ({runtime})" if runtime else "")
+    with ui.progress_bar(f"Timing {label}", total=len(request.contexts), unit="contexts") as advance:
+        for context in request.contexts:
+            record.contexts.append(measure_context(loaded, context, request))
+            advance(1)
+    return record
 
 
 def check_contexts(request: SpeedEval, ref: ModelRef, config) -> None:
@@ -186,17 +205,16 @@ def add_ratios(report: SpeedReport) -> None:
 
 def run_speed(request: SpeedEval) -> SpeedReport:
     check_models(request.models, lambda ref, config: check_contexts(request, ref, config))
-    report = SpeedReport(contexts=list(request.contexts), new_tokens=request.new_tokens, repeats=request.repeats)
+    report = SpeedReport(contexts=list(request.contexts), new_tokens=request.new_tokens, repeats=request.repeats,
+                         batch=request.batch)
     for ref in request.models:
         loaded = prepare_for_eval(ref, request.device, request.dtype)
         load_weights(loaded)
-        record = ModelSpeed(ref.ref, loaded.anatomy.model_type, loaded.dtype_name, str(loaded.device),
-                            loaded.anatomy.kv_bytes_per_token(loaded.dtype_name))
-        with ui.progress_bar(f"Timing {ref.ref}", total=len(request.contexts), unit="contexts") as advance:
-            for context in request.contexts:
-                record.contexts.append(measure_context(loaded, context, request))
-                advance(1)
-        report.models.append(record)
+        runtimes = request.runtimes if runtime_applies(loaded.model) else [None]
+        for runtime in runtimes:
+            if runtime is not None:
+                use_runtime(loaded.model, runtime)
+            report.models.append(time_model(loaded, runtime, request))
         del loaded
         gc.collect()
     add_ratios(report)

@@ -2,7 +2,8 @@
 the original timed in the same run (`attnsurg eval speed` with both runtimes).
 
     python benchmarks/decode_runtime.py ORIGINAL MLA [MLA ...] [--contexts 1024,4096,8160] [--batch 1]
-        [--new-tokens 32] [--repeats 1] [--warmup 0] [--name decode_runtime]
+        [--new-tokens 32] [--repeats 1] [--warmup 0] [--runtimes attnsurg,stock]
+        [--name decode_runtime]
 
 Writes benchmarks/results/NAME.json (the speed report and its provenance) and prints one row per model,
 runtime and context: tokens/s and peak memory, and their ratios to the original's.
@@ -26,11 +27,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--runtimes", default="attnsurg,stock", help="the MLA runtimes timed, comma-separated")
     parser.add_argument("--name", default="decode_runtime")
     args = parser.parse_args()
     request = SpeedEval(models=[ModelRef(ref=m) for m in args.models],
                         contexts=[int(c) for c in args.contexts.split(",")], new_tokens=args.new_tokens,
-                        repeats=args.repeats, warmup=args.warmup, batch=args.batch, device=args.device)
+                        repeats=args.repeats, warmup=args.warmup, batch=args.batch, device=args.device,
+                        runtimes=args.runtimes.split(","))
     report = run_speed(request)
     original = {c.context: c for c in report.models[0].contexts}
     print("| model | runtime | context | decode tok/s | x original | prefill tok/s | x original | peak GiB | x original |")

@@ -21,19 +21,21 @@ from typing import Literal
 
 from attnsurg.errors import UserError
 from attnsurg.recipe import (
-    COMMAND_CALIBRATION,
-    EVAL_DOMAINS,
     MLA_CALIBRATION,
-    Calibration,
     CompressStep,
     ConvertStep,
     Evaluation,
     HealSettings,
     HealStep,
     MLASettings,
+    Recipe,
+)
+from attnsurg.requests import (
+    COMMAND_CALIBRATION,
+    EVAL_DOMAINS,
+    Calibration,
     ModelRef,
     PerplexityEval,
-    Recipe,
     SpeedEval,
     TasksEval,
 )

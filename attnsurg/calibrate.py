@@ -18,7 +18,7 @@ from attnsurg import ui
 from attnsurg.arch.families import Family
 from attnsurg.data import load_text, parse_datasets
 from attnsurg.errors import UserError
-from attnsurg.recipe import TextData
+from attnsurg.requests import TextData
 
 
 def calibration_windows(tokenizer, data: TextData, num_tokens: int, seq_len: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from attnsurg.eval.speed import cache_bytes
 from attnsurg.info import inspect_model
 from attnsurg.io.load import load_model, load_tokenizer, resolve_device, resolve_dtype
 from attnsurg.modeling.absorbed import use_runtime
-from attnsurg.recipe import GenerateRequest, ModelRef, Runtime
+from attnsurg.requests import GenerateRequest, ModelRef, Runtime
 
 
 def load(model: str | ModelRef, *, runtime: Runtime = "attnsurg", device: str = "auto", dtype: str = "auto",

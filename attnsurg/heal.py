@@ -35,7 +35,8 @@ from attnsurg.distillation import Head, LossWeights, logit_loss, residual_stream
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.methods.mla import hold_norm_channel, norm_channel_of
-from attnsurg.recipe import HealSettings, TextData
+from attnsurg.recipe import HealSettings
+from attnsurg.requests import TextData
 
 STATE_MARKER = "heal.json"
 

@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 from attnsurg.arch.anatomy import AttentionAnatomy, inspect_config
 from attnsurg.io.load import ModelSource, load_config, resolve_source
 from attnsurg.methods import method_support
-from attnsurg.recipe import InfoRequest, ModelRef
+from attnsurg.requests import InfoRequest, ModelRef
 
 
 def inspect_model(ref: ModelRef) -> tuple[ModelSource, PretrainedConfig, AttentionAnatomy]:

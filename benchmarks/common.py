@@ -17,7 +17,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, calibration_windows, input_statistics
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
-from attnsurg.recipe import TextData
+from attnsurg.requests import TextData
 
 
 @dataclass

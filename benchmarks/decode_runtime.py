@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from attnsurg.eval.speed import run_speed
-from attnsurg.recipe import ModelRef, SpeedEval
+from attnsurg.requests import ModelRef, SpeedEval
 from common import write_result
 
 

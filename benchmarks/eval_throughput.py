@@ -20,7 +20,7 @@ from attnsurg.data import load_text
 from attnsurg.eval.perplexity import run_perplexity, score_windows, tokenize
 from attnsurg.eval.windows import plan_windows
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
-from attnsurg.recipe import ModelRef, PerplexityEval, TextData
+from attnsurg.requests import ModelRef, PerplexityEval, TextData
 from common import write_result
 
 

@@ -23,7 +23,8 @@ from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.heal import heal_model
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods.mla import Refinement, convert, plan_mla
-from attnsurg.recipe import HealSettings, TextData
+from attnsurg.recipe import HealSettings
+from attnsurg.requests import TextData
 from common import write_result
 
 

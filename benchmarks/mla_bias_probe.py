@@ -33,7 +33,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import InputStatistics, attention_inputs, calibration_windows, causal_mask
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla
-from attnsurg.recipe import TextData
+from attnsurg.requests import TextData
 from common import write_result
 
 

@@ -29,7 +29,7 @@ from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla as mla_method
 from attnsurg.methods.mla import Refinement, convert, plan_mla
-from attnsurg.recipe import Calibration, TextData
+from attnsurg.requests import Calibration, TextData
 from common import write_result
 
 

@@ -31,7 +31,7 @@ from attnsurg.data import DOMAINS
 from attnsurg.eval.tasks import run_tasks
 from attnsurg.io.load import load_config, resolve_source
 from attnsurg.methods.mla import plan_mla
-from attnsurg.recipe import ModelRef, TasksEval
+from attnsurg.requests import ModelRef, TasksEval
 from common import write_result
 
 

@@ -18,7 +18,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import calibration_windows, input_statistics
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla
-from attnsurg.recipe import TextData
+from attnsurg.requests import TextData
 
 from common import write_result
 

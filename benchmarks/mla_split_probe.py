@@ -21,7 +21,7 @@ from attnsurg.heads import received_attention
 from attnsurg.calibrate import InputStatistics, attention_inputs, calibration_windows, causal_mask
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla
-from attnsurg.recipe import TextData
+from attnsurg.requests import TextData
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from common import write_result

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from attnsurg.eval.perplexity import eval_windows
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
-from attnsurg.recipe import TextData
+from attnsurg.requests import TextData
 from common import write_result
 
 

@@ -32,7 +32,8 @@ from attnsurg.eval.tasks.cloze import load_cloze_items
 from attnsurg.eval.tasks.facts import load_fact_items
 from attnsurg.io.load import load_config, resolve_source
 from attnsurg.io.recipe_file import load_recipe, shipped_recipes
-from attnsurg.recipe import MLASettings, ModelRef, PerplexityEval, TasksEval, TextData
+from attnsurg.recipe import MLASettings
+from attnsurg.requests import ModelRef, PerplexityEval, TasksEval, TextData
 from common import write_result
 from results_doc import matrix_note, matrix_table
 from attnsurg.pipelines.run import run_recipe

@@ -8,7 +8,7 @@ from attnsurg.calibrate import (
 )
 from attnsurg.errors import UserError
 from attnsurg.pipelines.steps import domain_texts, scored_text
-from attnsurg.recipe import TextData
+from attnsurg.requests import TextData
 
 from helpers import fake_assets
 

@@ -4,7 +4,7 @@ import pytest
 
 from attnsurg.eval.perplexity import run_perplexity
 from attnsurg.info import describe
-from attnsurg.recipe import InfoRequest, ModelRef, PerplexityEval, TextData
+from attnsurg.requests import InfoRequest, ModelRef, PerplexityEval, TextData
 
 pytestmark = pytest.mark.assets
 

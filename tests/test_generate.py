@@ -11,7 +11,7 @@ import attnsurg
 from attnsurg.cli import app
 from attnsurg.generate import prompt_ids, run_generate
 from attnsurg.modeling.absorbed import AbsorbedMLAAttention
-from attnsurg.recipe import GenerateRequest, ModelRef
+from attnsurg.requests import GenerateRequest, ModelRef
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
 

@@ -16,7 +16,8 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.heal import Distiller, batch_indices, heal_model, lr_factor, select_trainable
 from attnsurg.methods.mla import convert, norm_channel_of, plan_mla
-from attnsurg.recipe import HealSettings, TextData
+from attnsurg.recipe import HealSettings
+from attnsurg.requests import TextData
 
 from conftest import build_tiny
 
@@ -269,7 +270,8 @@ def test_under_several_processes_the_main_one_operates_and_the_others_load(tiny_
     from types import SimpleNamespace
 
     from attnsurg.pipelines import steps as pipeline
-    from attnsurg.recipe import ConvertMLA, HealSettings, ModelRef, Recipe
+    from attnsurg.recipe import ConvertMLA, HealSettings, Recipe
+    from attnsurg.requests import ModelRef
 
     request = ConvertMLA(model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), output=tmp_path / "out", kv_budget=0.5)
     recipe = Recipe.from_request(request, heal=HealSettings())
@@ -323,7 +325,8 @@ def test_a_heal_run_started_again_reuses_the_operated_model(tiny_checkpoints, tm
     """The operated model is saved beside the output when healing follows; started again, the run loads it
     (healing resumes only from the same starting weights), unless the surgery step changed."""
     from attnsurg.pipelines import steps as pipeline
-    from attnsurg.recipe import ConvertMLA, HealSettings, ModelRef, Recipe
+    from attnsurg.recipe import ConvertMLA, HealSettings, Recipe
+    from attnsurg.requests import ModelRef
 
     request = ConvertMLA(model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), output=tmp_path / "out", kv_budget=0.5)
     operated = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])

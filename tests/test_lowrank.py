@@ -154,7 +154,7 @@ def test_loads_with_remote_code_and_with_attnsurg_alike(written, tmp_path):
 
 def test_anatomy_reports_the_latent_cache(written):
     from attnsurg.info import inspect_model
-    from attnsurg.recipe import ModelRef
+    from attnsurg.requests import ModelRef
 
     _, _, anatomy = inspect_model(ModelRef(ref=str(written)))
     assert anatomy.kv_values_per_token == 2 * 32  # two layers, latent rank 32 (was 2 x 64)

@@ -20,7 +20,8 @@ from attnsurg.methods import mla
 from attnsurg.methods.mla import (
     Refinement, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
 )
-from attnsurg.recipe import Calibration, ConvertMLA, ModelRef, TextData
+from attnsurg.recipe import ConvertMLA
+from attnsurg.requests import Calibration, ModelRef, TextData
 
 from conftest import build_tiny, with_mean_direction
 

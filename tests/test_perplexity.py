@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnsurg.eval.perplexity import run_perplexity, score_windows, tokenize
 from attnsurg.eval.windows import plan_windows
-from attnsurg.recipe import ModelRef, PerplexityEval, TextData
+from attnsurg.requests import ModelRef, PerplexityEval, TextData
 
 
 def straightforward_nll(model, ids: torch.Tensor, max_length: int, stride: int) -> tuple[float, int]:

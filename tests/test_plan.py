@@ -14,7 +14,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.cli import app
 from attnsurg.io.recipe_file import parse_recipe
-from attnsurg.recipe import PlanRequest
+from attnsurg.requests import PlanRequest
 
 from conftest import build_tiny, with_mean_direction
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnsurg.errors import UserError
-from attnsurg.recipe import TextData
+from attnsurg.requests import TextData
 
 pytestmark = [pytest.mark.slow, pytest.mark.assets]
 QWEN = "qwen2.5-coder-0.5b"

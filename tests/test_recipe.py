@@ -12,7 +12,8 @@ from attnsurg.errors import UserError
 from attnsurg.io.recipe_file import dump_recipe, load_recipe, parse_recipe, shipped_recipes
 from attnsurg.pipelines.convert import refinement_of
 from attnsurg.methods.lowrank import LowRankSettings
-from attnsurg.recipe import MLA_CALIBRATION_TOKENS, Calibration, ConvertMLA, HealSettings, ModelRef, Recipe, request_type
+from attnsurg.recipe import MLA_CALIBRATION_TOKENS, ConvertMLA, HealSettings, Recipe, request_type
+from attnsurg.requests import Calibration, ModelRef
 
 SHIPPED = shipped_recipes()
 REQUIRED_SHIPPED = {"mla-50", "mla-25", "svdllm-kv-latent-50", "tucker-50", "loki-r32-k25"}

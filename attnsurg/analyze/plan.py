@@ -61,16 +61,8 @@ from attnsurg.methods.lowrank import LowRankSettings, allocated_ranks, decompose
 from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
 from attnsurg.pipelines.steps import Surgery, check_calibration, load_source, source_windows
 from attnsurg.placement import on_device
-from attnsurg.recipe import (
-    EVAL_DOMAINS,
-    ConvertMLA,
-    MLASettings,
-    PlanRequest,
-    Recipe,
-    SurgeryRequest,
-    TextData,
-    request_type,
-)
+from attnsurg.recipe import ConvertMLA, MLASettings, Recipe, SurgeryRequest, request_type
+from attnsurg.requests import EVAL_DOMAINS, PlanRequest, TextData
 
 PROXY_WINDOWS = 2  # calibration windows the attention-based proxies (loki, mla) are measured on
 LOKI_VARIANCE_TOP_K = 0.25  # loki-variance: the share of each query's context kept (Loki's main setting)

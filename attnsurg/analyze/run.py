@@ -40,7 +40,7 @@ from attnsurg.io.load import resolve_device
 from attnsurg.io.save import staged_checkpoint
 from attnsurg.pipelines.steps import load_source
 from attnsurg.placement import on_device
-from attnsurg.recipe import AnalyzeRequest, ApproxRequest
+from attnsurg.requests import AnalyzeRequest, ApproxRequest
 
 
 def spectrum_of(values: torch.Tensor) -> Spectrum:

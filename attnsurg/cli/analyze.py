@@ -33,7 +33,7 @@ from attnsurg.cli.common import (
     user_errors,
 )
 from attnsurg.errors import UserError
-from attnsurg.recipe import EVAL_DOMAINS
+from attnsurg.requests import EVAL_DOMAINS
 
 
 def parse_layers(value: str) -> list[int] | None:
@@ -79,7 +79,7 @@ Layers = Annotated[str, typer.Option("--layers", help="all, or layers such as 0,
 
 
 def text_data(dataset: str, text: Path | None):
-    from attnsurg.recipe import TextData
+    from attnsurg.requests import TextData
 
     return TextData(dataset=None if text else dataset, text=text, part="calib")
 
@@ -108,7 +108,7 @@ def analyze(
 ) -> None:
     """Spectra, RoPE energy and sparsity of a model's attention: plots and JSON."""
     from attnsurg.analyze import run_analysis
-    from attnsurg.recipe import AnalyzeRequest, ModelRef
+    from attnsurg.requests import AnalyzeRequest, ModelRef
 
     request = AnalyzeRequest(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle), output=output,
@@ -208,7 +208,7 @@ def approx(
 ) -> None:
     """Attention approximations on the model's own Q, K, V at equal budgets."""
     from attnsurg.analyze.run import run_approx
-    from attnsurg.recipe import ApproxRequest, ModelRef
+    from attnsurg.requests import ApproxRequest, ModelRef
 
     request = ApproxRequest(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle), output=output,
@@ -256,7 +256,7 @@ def plan(
 ) -> None:
     """Per method, the smallest budget predicted within a perplexity ratio."""
     from attnsurg.analyze.plan import parse_methods, run_plan
-    from attnsurg.recipe import Calibration, ModelRef, PlanRequest
+    from attnsurg.requests import Calibration, ModelRef, PlanRequest
 
     request = PlanRequest(
         model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle), output=output,

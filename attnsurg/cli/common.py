@@ -19,7 +19,7 @@ from rich.text import Text
 import attnsurg
 from attnsurg import ui
 from attnsurg.errors import UserError
-from attnsurg.recipe import EVAL_DOMAINS
+from attnsurg.requests import EVAL_DOMAINS
 
 
 def defaults_of(settings: type[BaseModel]) -> SimpleNamespace:
@@ -227,7 +227,7 @@ PrintRecipe = Annotated[
 
 def calibration_from(dataset: str, text: Path | None, tokens: int, seq_len: int):
     """The Calibration request the --calib-* options describe (always the calibration part)."""
-    from attnsurg.recipe import Calibration, TextData
+    from attnsurg.requests import Calibration, TextData
 
     try:
         data = TextData(text=text, part="calib") if text else TextData(dataset=dataset, part="calib")

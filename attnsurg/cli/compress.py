@@ -39,7 +39,8 @@ from attnsurg.cli.common import (
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
-from attnsurg.recipe import COMMAND_CALIBRATION, Evaluation
+from attnsurg.recipe import Evaluation
+from attnsurg.requests import COMMAND_CALIBRATION
 
 DEFAULT_METHOD = "svdllm"
 FLAGS = {"targets": "--targets", "ratio": "--ratio", "rank": "--rank", "ranks": "--ranks", "top_k": "--top-k",
@@ -112,7 +113,8 @@ def compress(
 ) -> None:
     """Compress attention (low rank, tensor or top-k) and write a new checkpoint."""
     from attnsurg.api import surgery_recipe
-    from attnsurg.recipe import CompressStep, ModelRef
+    from attnsurg.recipe import CompressStep
+    from attnsurg.requests import ModelRef
 
     given = {name: value for name, value in locals().items() if name in FLAGS and value is not None}
     if output is None and not dry_run:

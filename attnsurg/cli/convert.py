@@ -121,7 +121,8 @@ def convert(
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Convert GQA/MHA attention to MLA and write a new checkpoint."""
-    from attnsurg.recipe import ModelRef, Recipe
+    from attnsurg.recipe import Recipe
+    from attnsurg.requests import ModelRef
 
     if to != "mla":
         raise UserError(f"--to {to} is not supported; available: mla")

@@ -62,7 +62,7 @@ def eval_perplexity(
     """Perplexity and cost of one or more models on the same windows."""
     from attnsurg.data import parse_datasets
     from attnsurg.eval.perplexity import run_perplexity
-    from attnsurg.recipe import ModelRef, PerplexityEval, TextData
+    from attnsurg.requests import ModelRef, PerplexityEval, TextData
 
     if text and dataset:
         raise UserError("pass either --dataset or --text, not both")
@@ -178,7 +178,7 @@ def eval_tasks(
 ) -> None:
     """Zero-shot tasks (facts, cloze, passkey) and the share of answers kept."""
     from attnsurg.eval.tasks import parse_tasks, run_tasks
-    from attnsurg.recipe import ModelRef, TasksEval
+    from attnsurg.requests import ModelRef, TasksEval
 
     chosen = parse_tasks(tasks)
     if passkey_lengths and "passkey" not in chosen:
@@ -319,7 +319,7 @@ def eval_speed(
 ) -> None:
     """Prefill and decode speed, KV cache held and peak memory, side by side."""
     from attnsurg.eval.speed import run_speed
-    from attnsurg.recipe import ModelRef, SpeedEval
+    from attnsurg.requests import ModelRef, SpeedEval
 
     request = SpeedEval(
         models=[ModelRef(ref=m, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle) for m in models],

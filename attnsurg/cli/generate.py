@@ -52,7 +52,7 @@ def generate(
 ) -> None:
     """Generate from a prompt: tokens stream to stdout, then tokens/s and the KV cache held."""
     from attnsurg.generate import run_generate
-    from attnsurg.recipe import GenerateRequest, ModelRef
+    from attnsurg.requests import GenerateRequest, ModelRef
 
     text = sys.stdin.read() if prompt == "-" else prompt
     if not text.strip():

@@ -100,14 +100,8 @@ def heal(
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Heal an operated model by distillation from the original (resumable)."""
-    from attnsurg.recipe import (
-        Calibration,
-        Evaluation,
-        HealStep,
-        ModelRef,
-        Recipe,
-        TextData,
-    )
+    from attnsurg.recipe import Evaluation, HealStep, Recipe
+    from attnsurg.requests import Calibration, ModelRef, TextData
 
     if output is None and not dry_run:
         raise UserError("missing --output/-o: the directory to write the healed checkpoint to")

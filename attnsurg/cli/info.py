@@ -33,7 +33,7 @@ def info(
 ) -> None:
     """A model's attention anatomy and the methods that support it."""
     from attnsurg.info import describe
-    from attnsurg.recipe import InfoRequest, ModelRef
+    from attnsurg.requests import InfoRequest, ModelRef
 
     if methods:
         print_support_matrix(json_output)

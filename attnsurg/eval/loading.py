@@ -13,7 +13,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.errors import UserError
 from attnsurg.info import inspect_model
 from attnsurg.io.load import ModelSource, load_model, load_tokenizer, resolve_device, resolve_dtype
-from attnsurg.recipe import ModelRef
+from attnsurg.requests import ModelRef
 
 
 @dataclass

@@ -24,7 +24,7 @@ from attnsurg.errors import UserError
 from attnsurg.eval.tasks.scoring import keeps_logits
 from attnsurg.eval.windows import Window, count_words, plan_windows, scored_text
 from attnsurg.eval.loading import check_models, load_weights, prepare_for_eval
-from attnsurg.recipe import ModelRef, PerplexityEval, TextData
+from attnsurg.requests import ModelRef, PerplexityEval, TextData
 
 
 @dataclass(frozen=True)

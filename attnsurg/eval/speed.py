@@ -30,7 +30,7 @@ from attnsurg.errors import UserError
 from attnsurg.eval.loading import Loaded, check_models, load_weights, prepare_for_eval
 from attnsurg.eval.tasks.scoring import cached_forward, returned_cache
 from attnsurg.modeling.absorbed import runtime_applies, use_runtime
-from attnsurg.recipe import ModelRef, SpeedEval
+from attnsurg.requests import ModelRef, SpeedEval
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
 STATUS = Path("/proc/self/status")

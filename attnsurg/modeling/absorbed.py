@@ -25,7 +25,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention, apply_rotary_pos_emb, apply_rotary_pos_emb_interleave,
 )
 
-from attnsurg.recipe import Runtime
+from attnsurg.requests import Runtime
 
 RUNTIMES: tuple[Runtime, ...] = ("attnsurg", "stock")
 

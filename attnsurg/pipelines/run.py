@@ -33,7 +33,8 @@ from attnsurg.pipelines.steps import (
     score_domains,
     to_source_dtype,
 )
-from attnsurg.recipe import MLASettings, ModelRef, Recipe
+from attnsurg.recipe import MLASettings, Recipe
+from attnsurg.requests import ModelRef
 
 
 def check_permissions(recipe: Recipe, trust_remote_code: bool, allow_pickle: bool) -> None:

@@ -28,7 +28,8 @@ from attnsurg.io.save import check_output_path, finish_staging, write_checkpoint
 from attnsurg.modeling import register as register_attnsurg
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
 from attnsurg.errors import UserError
-from attnsurg.recipe import Calibration, ModelRef, Recipe, TextData
+from attnsurg.recipe import Recipe
+from attnsurg.requests import Calibration, ModelRef, TextData
 
 
 def command_line() -> str:

@@ -15,7 +15,7 @@ from attnsurg.eval.tasks.cloze import load_cloze_items, score_cloze
 from attnsurg.eval.tasks.facts import load_fact_items, score_facts
 from attnsurg.eval.tasks.harness import check_harness_tasks, run_harness
 from attnsurg.eval.tasks.passkey import check_lengths, default_lengths, passkey_items, score_passkey
-from attnsurg.recipe import TasksEval
+from attnsurg.requests import TasksEval
 
 
 @dataclass
@@ -121,7 +121,7 @@ def run_tasks(request: TasksEval) -> TasksReport:
 
 
 def parse_tasks(value: str) -> list[str]:
-    from attnsurg.recipe import TASK_NAMES
+    from attnsurg.requests import TASK_NAMES
 
     if value.strip().lower() == "none":
         return []

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from attnsurg.analyze.report import AnalysisReport
-from attnsurg.analyze.sparsity import entropy_ratio, sink_mass, top_mass
+from attnsurg.sparsity import entropy_ratio, sink_mass, top_mass
 from attnsurg.heads import attention_probabilities
 from attnsurg.analyze.spectra import energy_rank, frequency_energy, moment_spectrum
 from attnsurg.cli import app

@@ -71,3 +71,13 @@ def test_a_compress_step_is_read_by_the_settings_its_method_registered(name):
     step = CompressStep.model_validate({"compress": {"method": name}})
     assert type(step.compress) is settings and step.compress.method == name
     assert CompressStep.model_validate(step.model_dump(mode="json")) == step
+
+
+def test_each_planned_method_is_registered_by_its_own_module_once():
+    from attnsurg.methods.planning import PLANNED, register_planned
+
+    owners = {name: method.proxy.__module__ for name, method in PLANNED.items()}
+    assert owners["svdllm-allocate"] == "attnsurg.methods.lowrank" and owners["cp"] == "attnsurg.methods.headtensor"
+    assert owners["loki-variance"] == "attnsurg.methods.loki" and owners["mla"] == "attnsurg.methods.mla.proxy"
+    with pytest.raises(ValueError, match="registered twice"):
+        register_planned(PLANNED["mla"])

@@ -8,12 +8,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attnsurg.analyze.plan import PLANNED, ErrorModel, PlanContext, smallest_within
+from attnsurg.analyze.plan import ErrorModel, smallest_within
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.cli import app
 from attnsurg.io.recipe_file import parse_recipe
+from attnsurg.methods.lowrank import lowrank_settings
+from attnsurg.methods.planning import PLANNED, PlanContext, PlannedMethod
 from attnsurg.requests import PlanRequest
 
 from conftest import build_tiny, with_mean_direction
@@ -70,7 +72,7 @@ def test_each_proxy_falls_as_the_budget_grows_and_vanishes_at_full_budget(contex
 def test_loki_variance_at_full_variance_selects_the_true_top_keys(context):
     """At variance 1 the scores use every principal coordinate, so they pick the truly strongest keys and miss
     nothing against them; fewer coordinates miss more."""
-    from attnsurg.analyze.plan import LOKI_VARIANCE_TOP_K
+    from attnsurg.methods.loki import LOKI_VARIANCE_TOP_K
 
     by_variance = [sum(row) for row in PLANNED["loki-variance"].proxy(context, (0.3, 0.6, 1.0))]
     assert by_variance[0] > by_variance[1] > 0 and abs(by_variance[-1]) < 1e-3 * by_variance[0], by_variance
@@ -152,7 +154,7 @@ def test_the_first_choice_is_converted_and_the_model_refitted_through_it(context
 
     monkeypatch.setattr(plan, "measured_ratios", fake_ratios)
     budgets = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
-    method = plan.PlannedMethod("synthetic", budgets, (0.25, 0.5), plan.lowrank_settings("svdllm"),
+    method = PlannedMethod("synthetic", budgets, (0.25, 0.5), lowrank_settings("svdllm"),
                                 lambda ctx, bs: [[1 - b, 0.0] for b in bs])
     ctx = dataclasses.replace(context, request=context.request.model_copy(update={"target_ratio": 1.3, "verify": True}))
     report, recipe = plan.plan_method(ctx, method)

@@ -1,21 +1,11 @@
 """``attnsurg analyze plan``: per method, the smallest budget predicted to keep the perplexity ratio within a
 target, written as a recipe.
 
-Per method, a per-layer error proxy is measured on the model at every candidate budget without converting it:
-
-- svd, asvd, svdllm (a k/v latent: the budget is the share of the KV cache kept): each layer's relative
-  truncation energy in the method's own metric (the discarded share of the spectrum ``compress`` truncates);
-  ``svdllm-allocate`` (and svd-, asvd-) the same at the per-layer ranks ``--allocate`` spreads the budget to;
-- loki (half the head dim scores keys; the budget is the share of each query's context kept): each layer's
-  attention mass outside each query's top-k keys, mean over heads;
-- loki-variance (per-layer scoring ranks, ``--variance``; the budget is the share of the key variance the
-  scores keep, with each query keeping a quarter of its context): each layer's attention mass the keys its
-  rank-r scores select miss against the truly strongest quarter (0 at full rank, where the scores are exact);
-- mla (the KV budget): each layer's closed-form relative output error on calibration windows (the
-  conversion before refinement);
-- tucker, cp (q, k, v and o per head as 3-way tensors; the budget is the share of attention parameters
-  kept): each layer's mean squared relative error of the decomposition ``compress`` fits to each whitened
-  projection tensor.
+Per method, a per-layer error proxy is measured on the model at every candidate budget without converting it.
+Each method owns its proxy and its budget knob (a ``methods.planning.PlannedMethod`` its module registers):
+low-rank truncation energy (svd, asvd, svdllm, and their ``-allocate`` forms), the attention mass outside
+the top-k (loki) or outside the keys rank-r scores pick (loki-variance), the closed form's layer error (mla),
+the fitted error of each whitened projection tensor (tucker, cp).
 
 A budget's proxy is the sum over layers. The error model maps it to a perplexity ratio,
 ``log(ratio) = a * proxy^p``, with ``a`` and ``p`` fitted to two real conversions of the model (the anchors,
@@ -30,22 +20,18 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel
 from transformers import PreTrainedModel, set_seed
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from attnsurg import ui
 from attnsurg.analyze.report import PlanReport, MethodPlanReport, Anchor, write_json
-from attnsurg.analyze.sparsity import top_mass
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.arch.families import Family, family_for_surgery
-from attnsurg.heads import attention_probabilities, head_projections, layer_masking, softmax_scale
-from attnsurg.calibrate import attention_layers, captured_inputs, causal_mask, input_statistics
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.info import inspect_model
@@ -53,214 +39,12 @@ from attnsurg.io.assets import ensure_text
 from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
-from attnsurg.methods import METHODS, headtensor
-from attnsurg.methods.headtensor import HeadTensorSettings
-from attnsurg.methods.loki import LokiSettings, key_bases, rank_for_variance
-from attnsurg.methods.consumers import layer_contexts, layer_inv_freq
-from attnsurg.methods.lowrank import LowRankSettings, allocated_ranks, decompose, plan_units, uniform_ranks
-from attnsurg.methods.mla import deepseek_config, fit_layer, mla_attention, plan_mla, sampled_output
+from attnsurg.methods import METHODS
+from attnsurg.methods.planning import PLANNED, PlanContext, PlannedMethod, ScoredText
 from attnsurg.pipelines.steps import Surgery, check_calibration, load_source, source_windows
 from attnsurg.placement import on_device
-from attnsurg.recipe import ConvertMLA, MLASettings, Recipe, SurgeryRequest, request_type
+from attnsurg.recipe import ConvertMLA, Recipe, SurgeryRequest, request_type
 from attnsurg.requests import EVAL_DOMAINS, PlanRequest, TextData
-
-PROXY_WINDOWS = 2  # calibration windows the attention-based proxies (loki, mla) are measured on
-LOKI_VARIANCE_TOP_K = 0.25  # loki-variance: the share of each query's context kept (Loki's main setting)
-
-
-@dataclass(frozen=True)
-class ScoredText:
-    """A text every ratio is measured on: its eval windows and the source's perplexity there."""
-
-    name: str
-    windows: tuple  # (tokens, windows)
-    ppl_source: float
-
-
-@dataclass
-class PlanContext:
-    """The source in float32, its calibration windows and statistics, and the windows every ratio is scored on."""
-
-    request: PlanRequest
-    model: PreTrainedModel
-    tokenizer: object
-    anatomy: AttentionAnatomy
-    family: Family
-    device: torch.device
-    windows: torch.Tensor
-    stats: list  # per layer: (attention input, o_proj input) statistics
-    scored: list[ScoredText]  # the calibration text's eval part first, then the other domains
-
-    def attentions(self) -> list[torch.nn.Module]:
-        return attention_layers(self.model, self.family)
-
-
-@dataclass(frozen=True)
-class PlannedMethod:
-    """A method's budget knob: candidate budgets, the two anchor budgets converted for real, the recipe step
-    at a budget and the per-layer proxy at every budget ([budget][layer]).
-
-    ``floor_budget``: where the proxy vanishes but the method still changes the model (loki-variance at full
-    variance: exact scores, yet each query keeps only a quarter of its keys). It is converted for real too and
-    its ratio is the error model's floor; without one the floor is x1 (the method is exact at proxy 0)."""
-
-    name: str
-    budgets: tuple[float, ...]
-    anchors: tuple[float, float]
-    settings: Callable[[float, AttentionAnatomy], BaseModel]
-    proxy: Callable[[PlanContext, tuple[float, ...]], list[list[float]]]
-    floor_budget: float | None = None
-
-
-# ------------------------------------------------------------------------------------------ proxies
-def lowrank_proxy(method: str, allocate: bool = False) -> Callable[[PlanContext, tuple[float, ...]], list[list[float]]]:
-    @torch.no_grad()
-    def proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
-        contexts = layer_contexts(ctx.model, ctx.family, ctx.stats, ctx.windows.shape[1])
-        units = plan_units(ctx.anatomy, ("k", "v"), kv_latent=True)
-        spectra = [decompose(unit, contexts[unit.layer], method, weighted=method == "svdllm") for unit in units]
-
-        def ranks_at(budget: float) -> list[int | None]:
-            uniform = uniform_ranks(units, budget, None, True)
-            return allocated_ranks(units, [s.S for s in spectra], uniform) if allocate else uniform
-
-        return [[s.relative_error(rank) if rank is not None else 0.0 for s, rank in zip(spectra, ranks_at(budget), strict=True)]
-                for budget in budgets]
-    return proxy
-
-
-def layer_attention(ctx: PlanContext, layer: int, attention, window: torch.Tensor):
-    """One calibration window's post-RoPE queries and keys [heads, L, d] (keys repeated to the query heads) at
-    ``layer``, its attention probabilities as the layer computes them, and the layer's sliding window."""
-    rope = ctx.family.layer_rotary(ctx.model, layer)(window[None], torch.arange(window.shape[0])[None])
-    _, _, _, query, key = head_projections(attention, window[None], rope)
-    key = key.repeat_interleave(ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads, dim=0)
-    masking = layer_masking(attention)
-    scale = softmax_scale(attention)
-    return query, key, attention_probabilities(query, key, scale, **masking), masking["window"]
-
-
-@torch.no_grad()
-def loki_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
-    attentions = ctx.attentions()
-    outside = [torch.zeros(len(budgets), dtype=torch.float64) for _ in attentions]
-    inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
-    for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
-        for window in hidden:
-            _, _, probabilities, sliding = layer_attention(ctx, layer, attention, window)
-            outside[layer] += 1 - top_mass(probabilities, budgets, window=sliding).double().mean(0)
-    return [[float(o[i]) / len(inputs[0]) for o in outside] for i in range(len(budgets))]
-
-
-@torch.no_grad()
-def loki_variance_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
-    attentions = ctx.attentions()
-    groups = ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads
-    length = ctx.windows.shape[1]
-    inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
-    errors = [[0.0] * len(attentions) for _ in budgets]
-    for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
-        inv_freq = layer_inv_freq(ctx.model.get_submodule(ctx.family.rotary_path), ctx.model.config, layer)
-        bases, energies = key_bases(attention, ctx.stats[layer][0], ctx.anatomy.num_kv_heads, inv_freq, length, "post-rope")
-        ranks = [rank_for_variance(energies, variance) for variance in budgets]
-        basis = bases.float().repeat_interleave(groups, dim=0)  # [heads, d, d]
-        for window in hidden:
-            query, key, probabilities, sliding = layer_attention(ctx, layer, attention, window)
-            best = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=probabilities,  # the current token kept alike
-                            window=sliding).double().mean()
-            query, key = query @ basis, key @ basis  # principal coordinates, strongest first
-            for row, rank in zip(errors, ranks, strict=True):
-                scores = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
-                kept = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=scores, window=sliding)
-                row[layer] += float(best - kept.double().mean()) / len(hidden)
-    return errors
-
-
-@torch.no_grad()
-def mla_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
-    attentions = ctx.attentions()
-    inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
-    rotary = ctx.model.get_submodule(ctx.family.rotary_path)
-    length = ctx.windows.shape[1]
-    positions = torch.arange(length)[None]
-    targets = [attention(hidden_states=x, position_embeddings=rotary(x, positions), attention_mask=causal_mask(length))[0]
-               for attention, x in zip(attentions, inputs, strict=True)]
-    inv_freq = rotary.inv_freq
-    errors = []
-    for budget in budgets:
-        plan = plan_mla(ctx.anatomy, kv_budget=budget)
-        config = deepseek_config(ctx.model, plan.fitted, inv_freq)
-        config._attn_implementation = "sdpa"
-        rope = DeepseekV3RotaryEmbedding(config)(inputs[0][:1], positions)
-        row = []
-        for index, (attention, x, target) in enumerate(zip(attentions, inputs, targets, strict=True)):
-            stats = ctx.stats[index][0]
-            converted = mla_attention(config, index, fit_layer(attention, stats.sigma, plan, True, stats.sigma_first, inv_freq,
-                                                                stats.sigma_received),
-                                      attention.o_proj.weight)
-            output = sampled_output(converted, x, rope, torch.arange(length))
-            # the first token (an attention sink with an outsized output) is left out of both sums
-            row.append(float((output - target)[:, 1:].pow(2).sum() / target[:, 1:].pow(2).sum()))
-        errors.append(row)
-    return errors
-
-
-def headtensor_proxy(method: str) -> Callable[[PlanContext, tuple[float, ...]], list[list[float]]]:
-    @torch.no_grad()
-    def proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
-        targets = HeadTensorSettings().targets
-        contexts = layer_contexts(ctx.model, ctx.family, ctx.stats, ctx.windows.shape[1])
-        plans = [headtensor.plan_head_tensor(ctx.anatomy, method, targets, ratio=budget) for budget in budgets]
-        decomposer = headtensor.DECOMPOSERS[method]
-        errors = [[0.0] * ctx.anatomy.num_layers for _ in budgets]
-        for index, unit in enumerate(plans[0].units):
-            *_, whitened = headtensor.whitened_unit(ctx.model, ctx.family, contexts, unit, True)
-            for row, plan in zip(errors, plans, strict=True):
-                ranks = headtensor.unit_ranks(plan, index, whitened)
-                if ranks is not None:
-                    fit = decomposer.decompose(whitened.tensor, ranks, headtensor.MAX_ITERATIONS, decomposer.TOLERANCE,
-                                               ctx.request.seed)
-                    row[unit.layer] += fit.relative_error ** 2 / len(targets)
-        return errors
-    return proxy
-
-
-def headtensor_settings(method: str) -> Callable[[float, AttentionAnatomy], BaseModel]:
-    return lambda budget, anatomy: HeadTensorSettings(method=method, ratio=budget)
-
-
-def lowrank_settings(method: str, allocate: bool = False) -> Callable[[float, AttentionAnatomy], BaseModel]:
-    return lambda budget, anatomy: LowRankSettings(method=method, targets=("k", "v"), kv_latent=True, ratio=budget,
-                                                   allocate=allocate)
-
-
-def loki_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
-    return LokiSettings(rank=anatomy.head_dim // 2, top_k=budget)
-
-
-def loki_variance_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
-    return LokiSettings(variance=budget, top_k=LOKI_VARIANCE_TOP_K)
-
-
-def mla_settings(budget: float, anatomy: AttentionAnatomy) -> BaseModel:
-    return MLASettings(kv_budget=budget)
-
-
-PARAMETER_BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # tucker, cp: the share of attention parameters kept
-VARIANCE_BUDGETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99)  # loki-variance: the key variance the scores keep
-KV_BUDGETS = (0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875)
-PLANNED: dict[str, PlannedMethod] = {
-    **{m: PlannedMethod(m, KV_BUDGETS, (0.25, 0.5), lowrank_settings(m), lowrank_proxy(m)) for m in ("svd", "asvd", "svdllm")},
-    **{f"{m}-allocate": PlannedMethod(f"{m}-allocate", KV_BUDGETS, (0.25, 0.5), lowrank_settings(m, True),
-                                      lowrank_proxy(m, True)) for m in ("svd", "asvd", "svdllm")},
-    "loki": PlannedMethod("loki", (1 / 32, 1 / 16, 0.09375, 0.125, 0.1875, 0.25, 0.375, 0.5), (1 / 16, 0.25),
-                          loki_settings, loki_proxy),
-    "loki-variance": PlannedMethod("loki-variance", VARIANCE_BUDGETS, (0.6, 0.9), loki_variance_settings,
-                                   loki_variance_proxy, floor_budget=1.0),
-    "mla": PlannedMethod("mla", (0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75), (0.25, 0.5),
-                         mla_settings, mla_proxy),
-    **{m: PlannedMethod(m, PARAMETER_BUDGETS, (0.5, 0.8), headtensor_settings(m), headtensor_proxy(m)) for m in ("tucker", "cp")},
-}
 
 
 def parse_methods(value: str) -> list[str]:

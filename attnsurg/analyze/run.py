@@ -22,7 +22,7 @@ from attnsurg.analyze.report import (
     Spectrum,
     write_json,
 )
-from attnsurg.analyze.sparsity import TOP_SHARES, entropy_ratio, sink_mass, top_mass
+from attnsurg.sparsity import TOP_SHARES, entropy_ratio, sink_mass, top_mass
 from attnsurg.analyze.spectra import (
     energy_rank,
     frequency_energy,

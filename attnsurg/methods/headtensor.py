@@ -21,6 +21,7 @@ hidden-mode coordinates instead of K and V (exactly the same outputs; the KV cac
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,6 +40,7 @@ from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operat
 from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
 from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.methods.lowrank import PROJECTIONS, parse_targets, targets_of, unsupported_reason
+from attnsurg.methods.planning import PlanContext, PlannedMethod, Proxy, register_planned
 from attnsurg.recipe import CompressSettings
 
 DECOMPOSERS = {"tucker": tucker, "cp": cp}
@@ -520,3 +522,36 @@ class HeadTensor(CompressMethod):
 
 
 register_compressor(HeadTensor())
+
+
+# ------------------------------------------------------------------------------------- analyze plan
+PARAMETER_BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # the share of attention parameters kept
+
+
+def headtensor_proxy(method: str) -> Proxy:
+    """q, k, v and o per head as 3-way tensors: each layer's mean squared relative error of the decomposition
+    ``compress`` fits to each whitened projection tensor."""
+    @torch.no_grad()
+    def proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
+        targets = HeadTensorSettings().targets
+        contexts = layer_contexts(ctx.model, ctx.family, ctx.stats, ctx.windows.shape[1])
+        plans = [plan_head_tensor(ctx.anatomy, method, targets, ratio=budget) for budget in budgets]
+        decomposer = DECOMPOSERS[method]
+        errors = [[0.0] * ctx.anatomy.num_layers for _ in budgets]
+        for index, unit in enumerate(plans[0].units):
+            *_, whitened = whitened_unit(ctx.model, ctx.family, contexts, unit, True)
+            for row, plan in zip(errors, plans, strict=True):
+                ranks = unit_ranks(plan, index, whitened)
+                if ranks is not None:
+                    fit = decomposer.decompose(whitened.tensor, ranks, MAX_ITERATIONS, decomposer.TOLERANCE, ctx.request.seed)
+                    row[unit.layer] += fit.relative_error ** 2 / len(targets)
+        return errors
+    return proxy
+
+
+def headtensor_settings(method: str) -> Callable[[float, AttentionAnatomy], HeadTensorSettings]:
+    return lambda budget, anatomy: HeadTensorSettings(method=method, ratio=budget)
+
+
+register_planned(*(PlannedMethod(m, PARAMETER_BUDGETS, (0.5, 0.8), headtensor_settings(m), headtensor_proxy(m))
+                   for m in (tucker.NAME, cp.NAME)))

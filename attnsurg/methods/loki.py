@@ -23,14 +23,16 @@ from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
-from attnsurg.calibrate import InputStatistics
+from attnsurg.calibrate import InputStatistics, captured_inputs
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
 from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
 from attnsurg.methods.factorized import assemble_factorized
 from attnsurg.methods.consumers import LayerContext, attention_moments, layer_inv_freq, rotation_average
 from attnsurg.methods.lowrank import unsupported_reason
+from attnsurg.methods.planning import PROXY_WINDOWS, PlanContext, PlannedMethod, layer_attention, register_planned
 from attnsurg.recipe import CompressSettings
+from attnsurg.sparsity import top_mass
 
 NAME = "loki"
 SUMMARY = "top-k attention with keys scored by their first R principal coordinates (Loki)"
@@ -270,3 +272,63 @@ class Loki(CompressMethod):
 
 
 register_compressor(Loki())
+
+
+# ------------------------------------------------------------------------------------- analyze plan
+LOKI_VARIANCE_TOP_K = 0.25  # loki-variance: the share of each query's context kept (Loki's main setting)
+TOP_K_BUDGETS = (1 / 32, 1 / 16, 0.09375, 0.125, 0.1875, 0.25, 0.375, 0.5)  # the share of each query's context kept
+VARIANCE_BUDGETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99)  # the key variance the scores keep
+
+
+@torch.no_grad()
+def loki_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
+    """Half the head dim scoring keys: each layer's attention mass outside each query's top-k keys, mean over
+    heads."""
+    attentions = ctx.attentions()
+    outside = [torch.zeros(len(budgets), dtype=torch.float64) for _ in attentions]
+    inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
+    for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
+        for window in hidden:
+            _, _, probabilities, sliding = layer_attention(ctx, layer, attention, window)
+            outside[layer] += 1 - top_mass(probabilities, budgets, window=sliding).double().mean(0)
+    return [[float(o[i]) / len(inputs[0]) for o in outside] for i in range(len(budgets))]
+
+
+@torch.no_grad()
+def loki_variance_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
+    """Per-layer scoring ranks (``--variance``), each query keeping a quarter of its context: each layer's
+    attention mass the keys its rank-r scores select miss against the truly strongest quarter (0 at full rank,
+    where the scores are exact)."""
+    attentions = ctx.attentions()
+    groups = ctx.anatomy.num_heads // ctx.anatomy.num_kv_heads
+    length = ctx.windows.shape[1]
+    inputs = captured_inputs(ctx.model, attentions, ctx.windows[:PROXY_WINDOWS])
+    errors = [[0.0] * len(attentions) for _ in budgets]
+    for layer, (attention, hidden) in enumerate(zip(attentions, inputs, strict=True)):
+        inv_freq = layer_inv_freq(ctx.model.get_submodule(ctx.family.rotary_path), ctx.model.config, layer)
+        bases, energies = key_bases(attention, ctx.stats[layer][0], ctx.anatomy.num_kv_heads, inv_freq, length, "post-rope")
+        ranks = [rank_for_variance(energies, variance) for variance in budgets]
+        basis = bases.float().repeat_interleave(groups, dim=0)  # [heads, d, d]
+        for window in hidden:
+            query, key, probabilities, sliding = layer_attention(ctx, layer, attention, window)
+            best = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=probabilities,  # the current token kept alike
+                            window=sliding).double().mean()
+            query, key = query @ basis, key @ basis  # principal coordinates, strongest first
+            for row, rank in zip(errors, ranks, strict=True):
+                scores = query[..., :rank] @ key[..., :rank].transpose(-1, -2)
+                kept = top_mass(probabilities, (LOKI_VARIANCE_TOP_K,), scores=scores, window=sliding)
+                row[layer] += float(best - kept.double().mean()) / len(hidden)
+    return errors
+
+
+def loki_settings(budget: float, anatomy: AttentionAnatomy) -> LokiSettings:
+    return LokiSettings(rank=anatomy.head_dim // 2, top_k=budget)
+
+
+def loki_variance_settings(budget: float, anatomy: AttentionAnatomy) -> LokiSettings:
+    return LokiSettings(variance=budget, top_k=LOKI_VARIANCE_TOP_K)
+
+
+register_planned(PlannedMethod(NAME, TOP_K_BUDGETS, (1 / 16, 0.25), loki_settings, loki_proxy),
+                 PlannedMethod(f"{NAME}-variance", VARIANCE_BUDGETS, (0.6, 0.9), loki_variance_settings,
+                               loki_variance_proxy, floor_budget=1.0))

@@ -24,6 +24,7 @@ uniform rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,6 +41,7 @@ from attnsurg.methods import MethodSpec, asvd, register, svd, svdllm
 from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
 from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
+from attnsurg.methods.planning import PlanContext, PlannedMethod, Proxy, register_planned
 from attnsurg.recipe import CompressSettings
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -479,3 +481,35 @@ class LowRank(CompressMethod):
 
 
 register_compressor(LowRank())
+
+
+# ------------------------------------------------------------------------------------- analyze plan
+KV_BUDGETS = (0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875)  # the share of the KV cache kept
+
+
+def lowrank_proxy(method: str, allocate: bool = False) -> Proxy:
+    """A k/v latent's per-layer relative truncation energy in the method's own metric (the discarded share of
+    the spectrum ``compress`` truncates), at uniform ranks or at those ``--allocate`` spreads the budget to."""
+    @torch.no_grad()
+    def proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[float]]:
+        contexts = layer_contexts(ctx.model, ctx.family, ctx.stats, ctx.windows.shape[1])
+        units = plan_units(ctx.anatomy, ("k", "v"), kv_latent=True)
+        spectra = [decompose(unit, contexts[unit.layer], method, weighted=method == "svdllm") for unit in units]
+
+        def ranks_at(budget: float) -> list[int | None]:
+            uniform = uniform_ranks(units, budget, None, True)
+            return allocated_ranks(units, [s.S for s in spectra], uniform) if allocate else uniform
+
+        return [[s.relative_error(rank) if rank is not None else 0.0 for s, rank in zip(spectra, ranks_at(budget), strict=True)]
+                for budget in budgets]
+    return proxy
+
+
+def lowrank_settings(method: str, allocate: bool = False) -> Callable[[float, AttentionAnatomy], LowRankSettings]:
+    return lambda budget, anatomy: LowRankSettings(method=method, targets=("k", "v"), kv_latent=True, ratio=budget,
+                                                   allocate=allocate)
+
+
+register_planned(*(PlannedMethod(f"{m}{suffix}", KV_BUDGETS, (0.25, 0.5), lowrank_settings(m, allocate),
+                                 lowrank_proxy(m, allocate))
+                   for suffix, allocate in (("", False), ("-allocate", True)) for m in (svd.NAME, asvd.NAME, svdllm.NAME)))

@@ -1,8 +1,8 @@
 """GQA / MHA -> DeepSeek-style multi-head latent attention (MLA), written as a stock DeepseekV3 checkpoint.
 
 The package: ``plan`` (how a budget is spent), ``engines`` (what each engine takes), ``fit`` (the closed form,
-steps 1-5 below), ``assemble`` (the DeepseekV3 model), ``refine`` (step 6), ``conversion`` (a model in memory)
-and ``stream`` (one layer in memory at a time).
+steps 1-5 below), ``assemble`` (the DeepseekV3 model), ``refine`` (step 6), ``conversion`` (a model in memory),
+``stream`` (one layer in memory at a time) and ``proxy`` (its error proxy for ``analyze plan``).
 
 Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) rotating at theta^(-2i/d):
 
@@ -77,6 +77,7 @@ from attnsurg.methods.mla.refine import (  # noqa: F401
 from attnsurg.methods.mla.conversion import (  # noqa: F401
     convert, MLAConversion,
 )
+from attnsurg.methods.mla.proxy import mla_proxy  # noqa: F401  (registers the planned method)
 
 register(MethodSpec("mla", "GQA/MHA -> DeepSeek-style latent attention (DeepseekV3 checkpoint)", unsupported_reason,
                     full_budget=full_budget))

@@ -68,6 +68,7 @@ class MLASettings(Strict):
     rope_dim: int | None = Field(None, ge=0)
     rope_layout: Literal["standard", "flexible"] = "standard"
     rope_fold: int | None = Field(None, ge=1)  # None: FreqFold wherever the RoPE pairs are too few for the frequencies
+    split: Literal["rule", "measured"] = "rule"  # measured: the RoPE width scored on held-out calibration windows
     format: Literal["native", "exact"] = "native"
     engine: Literal["transformers", "llama.cpp", "vllm", "sglang"] | None = None  # refuse what it would not run
     nope_width: Literal["latent", "head"] = "latent"  # head: head_dim-wide no-RoPE heads (fewer parameters)

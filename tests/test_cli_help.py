@@ -25,8 +25,10 @@ OUTPUT = "Output and safety"
 OUTPUT_OPTIONS = {"--dry-run", "--print-recipe", "--overwrite", "--seed", "--device", "--json", "--dtype",
                   "--trust-remote-code", "--allow-pickle"}
 # The same spelling names a different text or count in different commands (what heal trains on, what eval
-# scores, what analyze reads), so these may sit in different panels.
-PER_COMMAND_MEANING = {"--dataset", "--text", "--tokens", "--seq-len", "--batch-size", "--warmup", "--methods"}
+# scores, what analyze reads; heal's distillation temperature and generate's sampling one), so these may sit in
+# different panels.
+PER_COMMAND_MEANING = {"--dataset", "--text", "--tokens", "--seq-len", "--batch-size", "--warmup", "--methods",
+                       "--temperature"}
 ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.")
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -42,7 +42,6 @@ MLA = defaults_of(ConvertMLA)
 @app.command(epilog=examples(
     "attnsurg convert smollm2-135m --to mla --kv-budget 0.5 -o out/mla50",
     "attnsurg convert smollm2-135m --kv-budget 0.25 --dry-run --print-recipe",
-    "attnsurg convert smollm2-135m --kv-rank 96 --refine-steps 0 -o out/mla-r96",
     guide="mla.md"))
 @user_errors
 def convert(
@@ -65,6 +64,10 @@ def convert(
         Optional[int],
         typer.Option("--rope-fold", help="Neighbouring frequencies per RoPE pair (FreqFold).", rich_help_panel=PLAN),
     ] = MLA.rope_fold,
+    split: Annotated[
+        str,
+        typer.Option("--split", help="RoPE width: rule, or measured on held-out windows.", rich_help_panel=PLAN),
+    ] = MLA.split,
     format: Annotated[
         str,
         typer.Option("--format", help="native (any engine) or exact (transformers).", rich_help_panel=PLAN),
@@ -136,6 +139,7 @@ def convert(
         rope_dim=rope_dim,
         rope_layout=rope_layout,
         rope_fold=rope_fold,
+        split=split,
         format=format,
         engine=engine,
         nope_width=nope_width,

@@ -292,7 +292,7 @@ def passkey_table(report) -> Table:
 @eval_app.command("speed", epilog=examples(
     "attnsurg eval speed smollm2-135m out/mla50",
     "attnsurg eval speed smollm2-135m out/mla50 --context 512,2048 --repeats 5",
-    "attnsurg eval speed smollm2-135m out/mla50 --context 4096 --batch 8 --runtime attnsurg",
+    "attnsurg eval speed smollm2-135m out/mla50 --context 4096 --batch 8",
     guide="eval.md"))
 @user_errors
 def eval_speed(
@@ -308,7 +308,7 @@ def eval_speed(
     batch: Annotated[int, typer.Option("--batch", help="Sequences prefilled and decoded together.",
                                        rich_help_panel=EVALUATION)] = 1,
     runtime: Annotated[str, typer.Option(
-        "--runtime", help="DeepseekV3 models' runtimes, comma-separated: attnsurg (latent attention), stock.",
+        "--runtime", help="MLA runtimes timed: attnsurg, stock, or both.",
         rich_help_panel=EVALUATION)] = "attnsurg,stock",
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",

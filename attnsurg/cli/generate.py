@@ -23,24 +23,24 @@ from attnsurg.cli.common import (
 from attnsurg.errors import UserError
 
 RuntimeOption = Annotated[str, typer.Option(
-    "--runtime", help="attnsurg (latent attention read once for all heads) or stock (transformers' own).",
+    "--runtime", help="attnsurg (latent attention) or stock (transformers').",
     rich_help_panel=EVALUATION)]
 
 
 @app.command(epilog=examples(
     'attnsurg generate out/mla50 --prompt "What is the capital of France?"',
-    'attnsurg generate out/mla50 --prompt "def fibonacci(n):" --no-chat --max-new-tokens 64',
+    'attnsurg generate out/mla50 --prompt "def fib(n):" --max-new-tokens 64',
     guide="serving.md"))
 @user_errors
 def generate(
     model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf, hub id or built-in name.")],
-    prompt: Annotated[str, typer.Option("--prompt", help="The prompt; - reads it from stdin.",
+    prompt: Annotated[str, typer.Option("--prompt", help="The prompt, or - to read it from stdin.",
                                         rich_help_panel=EVALUATION)] = "",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Most tokens to generate.",
                                                 rich_help_panel=EVALUATION)] = 128,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap the prompt in the tokenizer's chat template.",
                                        rich_help_panel=EVALUATION)] = True,
-    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; above 0: sampled.",
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (0 decodes greedily).",
                                                rich_help_panel=EVALUATION)] = 0.0,
     runtime: RuntimeOption = "attnsurg",
     dtype: EvalDType = "auto",
@@ -50,7 +50,7 @@ def generate(
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Generate from a prompt: tokens stream to stdout, then tokens/s and the KV cache held."""
+    """Generate from a prompt, streamed; then tokens/s and the KV cache held."""
     from attnsurg.generate import run_generate
     from attnsurg.requests import GenerateRequest, ModelRef
 

@@ -48,7 +48,8 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
     if json_output:
         record = {"plan": rows, "written": report.written, "seconds": report.seconds, "convert_seconds": report.convert_seconds,
                   "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-                  "layer_errors": [e._asdict() for e in report.layer_errors], "heal": heal_record(report.heal), "domains": domains_record(report)}
+                  "layer_errors": [e._asdict() for e in report.layer_errors], "heal": heal_record(report.heal), "domains": domains_record(report),
+                  "split": report.split.record() if report.split else None}
         print(json.dumps(record, indent=2))
         return
     engine = f", laid out for {report.plan.engine}" if report.plan.engine else ""
@@ -63,6 +64,8 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
         f"{r['kv_values_before']} -> {r['kv_values_after']}", f"{r['attention_params_before']:,} -> {r['attention_params_after']:,}",
     )
     out.print(table)
+    if report.split:
+        out.print(f"split: {report.split.reason()}")
     if report.written:
         out.print(f"wrote {report.written} in {report.seconds:.1f} s (conversion {report.convert_seconds:.1f} s, "
                   f"calibration included), peak memory {report.peak_memory_gb:.2f} GB")

@@ -26,6 +26,7 @@ from attnsurg.methods.mla import (
     convert,
     plan_mla,
 )
+from attnsurg.methods.mla.split import SplitChoice, check_measurable, split_candidates
 from attnsurg.methods.mla.stream import convert_streamed
 from attnsurg.pipelines.steps import (
     Surgery,
@@ -57,6 +58,7 @@ class ConvertReport:
     domains: dict[str, tuple[float, float]] = field(default_factory=dict)  # ppl before/after off the calibration text
     heal: HealReport | None = None
     layer_errors: list[LayerError] = field(default_factory=list)
+    split: SplitChoice | None = None  # the splits compared (``--split measured``)
 
     @property
     def mean_layer_error(self) -> tuple[float, float] | None:
@@ -102,7 +104,21 @@ def plan_request(request: ConvertMLA):
     source, _, anatomy = inspect_model(request.model)
     plan = plan_mla(anatomy, request.kv_budget, request.kv_rank, request.rope_dim, request.rope_layout, request.format,
                     request.engine, request.nope_width, request.rope_fold)
+    if request.split == "measured":
+        check_measurable(request.calibration.tokens // request.calibration.seq_len, request.kv_rank, request.rope_dim,
+                         request.rope_fold)
+        if request.stream:
+            raise UserError("--split measured compares splits on the whole model's statistics; with --stream give "
+                            "--rope-dim")
     return source, anatomy, plan
+
+
+def split_candidates_of(request: ConvertMLA, anatomy: AttentionAnatomy) -> list[MLAPlan] | None:
+    """The plans ``--split measured`` compares, or None for the rule's plan alone."""
+    if request.split != "measured":
+        return None
+    return split_candidates(anatomy, request.kv_budget, layout=request.rope_layout, format=request.format,
+                            engine=request.engine, nope_width=request.nope_width)
 
 
 def refinement_of(request: ConvertMLA) -> Refinement:
@@ -140,9 +156,10 @@ def operate(surgery: Surgery, request: ConvertMLA, plan: MLAPlan, report: Conver
         result = convert(
             surgery.model, surgery.family, surgery.windows, plan, request.weighted, refinement_of(request),
             progress=advance, starts=starts, device=surgery.device, received=request.token_weights == "received",
+            candidates=split_candidates_of(request, report.anatomy),
         )
     report.convert_seconds = time.perf_counter() - started
-    report.plan, report.layer_errors = result.plan, result.layer_errors
+    report.plan, report.layer_errors, report.split = result.plan, result.layer_errors, result.split
     return result.model
 
 
@@ -252,6 +269,7 @@ def mla_card(request: ConvertMLA, report: ConvertReport) -> CardInfo:
             f"(latent {plan.kv_rank}{' + 1 norm channel' if plan.exact else ''} + {plan.rope_dim} RoPE dims, "
             f"{plan.format} format, {plan.layout} layout; "
             f"{rope_counts_note(plan)})",
+            *([f"split: {report.split.reason()}"] if report.split else []),
             *engine_note(plan),
             *qk_norm_note(anatomy),
             f"calibration: {calib.tokens} tokens of the calibration part of {data}, windows of {calib.seq_len}"

@@ -173,3 +173,18 @@ def assert_streamed_like_loaded(loaded: Path, streamed: Path) -> None:
         assert (fragment in cards[loaded]) == (fragment in cards[streamed]), fragment
     rows = [[line for line in card.splitlines() if "parameters" in line and line.startswith("|")] for card in cards.values()]
     assert rows[0] == rows[1] and rows[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_mla(tiny_checkpoints, corpus_file, tmp_path_factory) -> Path:
+    """A 50% MLA conversion of the tiny Llama (closed form, no refinement), written by the command."""
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    output = tmp_path_factory.mktemp("tiny-mla") / "mla"
+    result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--kv-budget", "0.5",
+                                      "--calib-text", str(corpus_file), "--calib-tokens", "256", "--refine-steps", "0",
+                                      "--eval-tokens", "0", "-o", str(output)])
+    assert result.exit_code == 0, result.output
+    return output

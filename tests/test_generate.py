@@ -16,16 +16,6 @@ from attnsurg.requests import GenerateRequest, ModelRef
 PROMPT = "the quick brown fox jumps over the lazy dog and"
 
 
-@pytest.fixture(scope="module")
-def tiny_mla(tiny_checkpoints, corpus_file, tmp_path_factory):
-    output = tmp_path_factory.mktemp("generate") / "mla"
-    result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--kv-budget", "0.5",
-                                      "--calib-text", str(corpus_file), "--calib-tokens", "256", "--refine-steps", "0",
-                                      "--eval-tokens", "0", "-o", str(output)])
-    assert result.exit_code == 0, result.output
-    return output
-
-
 def test_load_returns_a_model_in_the_attnsurg_runtime(tiny_mla):
     model, tokenizer = attnsurg.load(str(tiny_mla))
     assert all(type(layer.self_attn) is AbsorbedMLAAttention for layer in model.model.layers)

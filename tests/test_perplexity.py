@@ -102,3 +102,17 @@ def test_a_prefix_tokenizes_as_the_whole_text_does(tokenizer):
     assert len(text) > (300 + perplexity.PREFIX_MARGIN_TOKENS) * perplexity.PREFIX_CHARS_PER_TOKEN  # the prefix path
     assert tokens.ids.tolist() == whole[:300] and len(tokens.ends) == 300
     assert perplexity.tokenize(tokenizer, text, None).ids.tolist() == whole
+
+
+def test_an_mla_checkpoint_is_scored_in_the_attnsurg_runtime_with_the_stock_perplexity(tiny_mla, corpus_file, monkeypatch):
+    import attnsurg.eval.loading as loading
+
+    request = PerplexityEval(models=[ModelRef(ref=str(tiny_mla))], data=TextData(text=corpus_file), max_length=128,
+                             max_tokens=512, device="cpu")
+    switch, switched = loading.use_runtime, []
+    monkeypatch.setattr(loading, "use_runtime", lambda model, runtime: switched.append(switch(model, runtime)))
+    absorbed = run_perplexity(request).results[0]
+    monkeypatch.setattr(loading, "use_runtime", lambda model, runtime: switch(model, "stock"))
+    stock = run_perplexity(request).results[0]
+    assert switched == [2]  # both layers' attention
+    assert absorbed.ppl == pytest.approx(stock.ppl, rel=1e-5) and absorbed.tokens_scored == stock.tokens_scored

@@ -13,6 +13,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.errors import UserError
 from attnsurg.info import inspect_model
 from attnsurg.io.load import ModelSource, load_model, load_tokenizer, resolve_device, resolve_dtype
+from attnsurg.modeling.absorbed import use_runtime
 from attnsurg.requests import ModelRef
 
 
@@ -59,7 +60,10 @@ def prepare_for_eval(ref: ModelRef, device_name: str, dtype_name: str) -> Loaded
 
 
 def load_weights(loaded: Loaded) -> None:
+    """The model's weights, an MLA checkpoint in the attnsurg runtime (the stock path's logits, scored faster:
+    ``modeling/absorbed.py``)."""
     with ui.status(f"Loading {loaded.ref.ref}..."):
         loaded.model = load_model(loaded.source, loaded.dtype, loaded.device, loaded.ref.trust_remote_code,
                                   loaded.ref.allow_pickle)
+    use_runtime(loaded.model, "attnsurg")
 

@@ -122,6 +122,27 @@ def test_latent_cache_decode_matches_recomputation(family):
     assert greedy_decode_matches_recomputation(result, held_out()[:1, :8], 20)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_one_token_steps_mix_the_cached_latent_and_never_rebuild_the_values(family):
+    """Batched, left-padded greedy decoding gives the logits of recomputing every prefix, and after the prompt
+    kv_up (which rebuilds K and V together) is never called: each step rebuilds only the keys."""
+    model = build_tiny(family, VOCAB, num_key_value_heads=2)
+    result = compressed(model, family, calibration(model, family), method="svdllm", targets="k,v", ratio=0.5, kv_latent=True)
+    rebuilt = []
+    for module in result.modules():
+        if isinstance(module, LatentKVAttention):
+            module.kv_up.register_forward_hook(lambda m, args, out: rebuilt.append(args[0].shape[1]))
+    prompt, mask = held_out()[:, :8], torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    generated = result.generate(prompt, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert rebuilt == [8, 8]  # each layer once, on the prompt
+    full_mask = torch.cat([mask, torch.ones(2, 11, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        recomputed = result(generated.sequences[:, :-1], attention_mask=full_mask, use_cache=False).logits[:, 7:]
+    torch.testing.assert_close(torch.stack(generated.logits, dim=1), recomputed, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def written(tiny_checkpoints, corpus_file, tmp_path_factory):
     """The tiny Llama GQA checkpoint compressed by the CLI to a 50% k/v latent."""

@@ -471,8 +471,9 @@ class LowRank(CompressMethod):
         kind = "fraction of the KV cache kept" if plan.kv_latent else "fraction of the targeted parameters kept"
         spread = "allocated over layers by truncation energy" if plan.allocate else "uniform ranks"
         kv_note = (
-            " k and v share one cached latent per layer (rebuilt to K and V at every step, RoPE applied after), so "
-            "the KV cache holds the latent only; rebuilding costs 2 x rank x 2 G d FLOPs per cached token per step."
+            " k and v share one cached latent per layer, so the KV cache holds the latent only. At every step the keys "
+            "are rebuilt from it (RoPE applied after: 2 x rank x G d FLOPs per cached token); the values are not, the "
+            "attention weights mix the latent, which each head's value rows then map (2 x rank x H FLOPs per cached token)."
             if plan.kv_latent else ""
         )
         return factorized_card_text(plan, anatomy, "low-rank",

@@ -322,6 +322,44 @@ class LatentKVAttention(RebuiltKVAttention):
         kv = self.kv_up(latent).view(batch, total, 2, self.num_key_value_heads, self.head_dim)
         return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
+    def up_projection(self, part: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kv_up's rows for the keys (``part`` 0) or the values (1): weight [G d, r] and bias."""
+        rows = slice(part * self.num_key_value_heads * self.head_dim, (part + 1) * self.num_key_value_heads * self.head_dim)
+        return self.kv_up.weight[rows], None if self.kv_up.bias is None else self.kv_up.bias[rows]
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
+                **kwargs):
+        """A decoding step (one new token) never rebuilds the values. Its attention weights p_j sum to 1, so
+        sum_j p_j (W_v c_j + b_v) = W_v (sum_j p_j c_j) + b_v: each head mixes the cached latent (r wide, shared
+        by every head) and maps the mix through its group's value rows, H r instead of G d r multiply-adds per
+        cached token. The keys are rebuilt as before: RoPE rotates each one by its own position."""
+        cache = cache if cache is not None else past_key_values
+        if hidden_states.shape[1] != 1 or self.training or kwargs.get("output_attentions"):
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        require_dynamic_cache(cache)
+        batch, heads = hidden_states.shape[0], self.config.num_attention_heads
+        latent = cached_latent(self.kv_down(hidden_states), cache, self.layer_idx)  # [B, T, r]
+        total = latent.shape[1]
+        query = self.q_proj(hidden_states).view(batch, 1, heads, self.head_dim).transpose(1, 2)
+        key = nn.functional.linear(latent, *self.up_projection(0)).view(batch, total, -1, self.head_dim).transpose(1, 2)
+        query, key = self.normed(query, key)
+        cos, sin = self.rotary(latent, torch.arange(total, device=latent.device).unsqueeze(0))
+        key, query = apply_rope(key, cos, sin), apply_rope(query, cos[:, -1:], sin[:, -1:])
+        groups = self.num_key_value_groups
+        scores = query.view(batch, self.num_key_value_heads, groups, self.head_dim) @ key.transpose(-1, -2)
+        scores = soft_capped(scores * self.scaling, self.softcap)  # [B, G, groups, T]
+        mask = key_mask(attention_mask, total)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, total), torch.finfo(scores.dtype).min)
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
+        mixed = weights.view(batch, heads, total) @ latent  # [B, H, r]
+        value, bias = self.up_projection(1)
+        value = value.view(self.num_key_value_heads, self.head_dim, -1).repeat_interleave(groups, dim=0)  # [H, d, r]
+        output = torch.einsum("bhr,hdr->bhd", mixed, value)
+        if bias is not None:
+            output = output + bias.view(self.num_key_value_heads, self.head_dim).repeat_interleave(groups, dim=0)
+        return self.output(output.reshape(batch, 1, heads * self.head_dim)), None
+
 
 class FactoredKVAttention(RebuiltKVAttention):
     """Attention whose k and v projections are head tensors (Tucker or CP) with a shared hidden factor: the

@@ -16,9 +16,8 @@ import torch
 from transformers import PreTrainedModel, TextStreamer
 
 from attnsurg.errors import UserError
+from attnsurg.eval.loading import load_weights, prepare_for_eval
 from attnsurg.eval.speed import cache_bytes
-from attnsurg.info import inspect_model
-from attnsurg.io.load import load_model, load_tokenizer, resolve_device, resolve_dtype
 from attnsurg.modeling.absorbed import use_runtime
 from attnsurg.requests import GenerateRequest, ModelRef, Runtime
 
@@ -29,12 +28,10 @@ def load(model: str | ModelRef, *, runtime: Runtime = "attnsurg", device: str = 
     a ``.gguf`` file, a hub id, a built-in name)."""
     ref = model if isinstance(model, ModelRef) else ModelRef(ref=model, trust_remote_code=trust_remote_code,
                                                             allow_pickle=allow_pickle)
-    source, config, _ = inspect_model(ref)
-    target = resolve_device(device)
-    loaded = load_model(source, resolve_dtype(dtype, target, config), target, ref.trust_remote_code,
-                        ref.allow_pickle)
-    use_runtime(loaded, runtime)
-    return loaded, load_tokenizer(source, ref.trust_remote_code)
+    loaded = prepare_for_eval(ref, device, dtype)
+    load_weights(loaded)
+    use_runtime(loaded.model, runtime)
+    return loaded.model, loaded.tokenizer
 
 
 @dataclass
@@ -90,10 +87,13 @@ class TimedStreamer(TextStreamer):
 
 @torch.inference_mode()
 def run_generate(request: GenerateRequest, on_text: Callable[[str], None] = lambda text: None) -> GenerationReport:
-    model, tokenizer = load(request.model, runtime=request.runtime, device=request.device, dtype=request.dtype)
+    loaded = prepare_for_eval(request.model, request.device, request.dtype)
+    tokenizer = loaded.tokenizer
     ids = prompt_ids(tokenizer, request.prompt, request.chat)
-    check_length(request.model.ref, len(ids), request.max_new_tokens,
-                 getattr(model.config, "max_position_embeddings", None))
+    check_length(request.model.ref, len(ids), request.max_new_tokens, loaded.max_positions)  # before any weights
+    load_weights(loaded)
+    model = loaded.model
+    use_runtime(model, request.runtime)
     torch.manual_seed(request.seed)
     streamer = TimedStreamer(tokenizer, on_text)
     sampling = ({"do_sample": True, "temperature": request.temperature} if request.temperature > 0 else

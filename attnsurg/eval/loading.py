@@ -60,7 +60,7 @@ def prepare_for_eval(ref: ModelRef, device_name: str, dtype_name: str) -> Loaded
 
 
 def load_weights(loaded: Loaded) -> None:
-    """The model's weights, an MLA checkpoint in the attnsurg runtime (the stock path's logits, scored faster:
+    """The model's weights, an MLA checkpoint in the attnsurg runtime (the stock path's logits:
     ``modeling/absorbed.py``)."""
     with ui.status(f"Loading {loaded.ref.ref}..."):
         loaded.model = load_model(loaded.source, loaded.dtype, loaded.device, loaded.ref.trust_remote_code,

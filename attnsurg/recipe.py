@@ -79,7 +79,7 @@ class MLASettings(Strict):
     refine_lr: float = Field(1e-3, gt=0)
     refine_schedule: Literal["constant", "cosine"] = "constant"
     short_prompts: float = Field(0.0, ge=0, lt=1)  # share of each calibration window cut into short prompts
-    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
+    stream: bool | None = None  # one source layer in memory at a time; None: whenever the run allows it (``pipelines.steps.stream_refusal``)
 
 
 class CompressSettings(Strict):
@@ -87,6 +87,7 @@ class CompressSettings(Strict):
     the method in ``attnsurg.methods.base``) holds the rest."""
 
     method: str
+    stream: bool | None = None  # one source layer in memory at a time; None: whenever the run allows it (``pipelines.steps.stream_refusal``)
 
     @classmethod
     def accepts(cls, key: str) -> bool:

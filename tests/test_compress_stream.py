@@ -1,5 +1,6 @@
 """The streamed low-rank compression writes what the in-memory one builds, reading one layer at a time."""
 
+import json
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -63,10 +64,14 @@ def test_compress_stream_writes_the_checkpoint_compress_writes(tiny_checkpoints,
     runner = CliRunner()
     common = ["compress", str(tiny_checkpoints["qwen2"]), "--method", "svdllm", "--targets", "k,v", "--kv-latent",
               "--ratio", "0.5", "--calib-text", str(corpus_file), "--calib-tokens", "512", "--calib-seq-len", "64",
-              "--eval-tokens", "0"]
+              "--eval-tokens", "128", "--eval-domains", "none"]
+    reports = {}
     for name, extra in (("loaded", []), ("streamed", ["--stream"])):
-        result = runner.invoke(app, common + extra + ["-o", str(tmp_path / name)])
+        result = runner.invoke(app, common + extra + ["--json", "-o", str(tmp_path / name)])
         assert result.exit_code == 0, result.output
+        reports[name] = json.loads(result.stdout)
+    for score in ("ppl_before", "ppl_after"):  # the streamed run scores the source and what it wrote, a module at a time
+        assert reports["streamed"][score] == pytest.approx(reports["loaded"][score], rel=1e-4)
     loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
     ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

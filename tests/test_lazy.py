@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attnsurg.errors import UserError
-from attnsurg.io.lazy import CheckpointReader, load_layer
+from attnsurg.io.lazy import CheckpointReader, execution_device, load_layer, offloaded_model, offloaded_modules
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2", "mistral"])
@@ -58,3 +58,21 @@ def test_streamed_statistics_equal_the_loaded_models(variant, window, tiny_check
         torch.testing.assert_close(attention.sigma, loaded[index].sigma, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(attention.sigma_first, loaded[index].sigma_first, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(o_proj.sigma, loaded[layers + index].sigma, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2"])
+def test_an_offloaded_model_computes_the_loaded_ones_logits_in_float32(variant, tiny_checkpoints, tmp_path):
+    """Stored in bfloat16 and sharded: every decoder layer, the embeddings and the head are read from the shards
+    on each forward, in float32, and dropped after it; the logits are the float32 model's."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant], dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16", max_shard_size="40KB")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    offloaded = offloaded_model(tmp_path / "bf16")
+    assert set(offloaded_modules(offloaded)) == {f"model.layers.{i}" for i in range(loaded.config.num_hidden_layers)} | {
+        "model.embed_tokens", "lm_head"}
+    ids = torch.randint(0, loaded.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = offloaded(ids).logits
+        torch.testing.assert_close(got, loaded(ids).logits, rtol=0, atol=0)
+    assert got.dtype == torch.float32 and execution_device(offloaded) == torch.device("cpu")
+    assert all(p.device.type == "meta" for p in offloaded.model.layers.parameters())

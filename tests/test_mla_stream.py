@@ -1,5 +1,6 @@
 """The streamed conversion writes what the in-memory one builds, reading one layer at a time."""
 
+import json
 import subprocess
 import sys
 
@@ -59,10 +60,14 @@ def test_convert_stream_writes_the_checkpoint_convert_writes(tiny_checkpoints, c
 
     runner = CliRunner()
     common = ["convert", str(tiny_checkpoints["qwen2"]), "--calib-text", str(corpus_file), "--calib-tokens", "512",
-              "--calib-seq-len", "64", "--refine-steps", "3", "--refine-tokens", "256", "--eval-tokens", "0"]
+              "--calib-seq-len", "64", "--refine-steps", "3", "--refine-tokens", "256", "--eval-tokens", "128", "--eval-domains", "none"]
+    reports = {}
     for name, extra in (("loaded", []), ("streamed", ["--stream"])):
-        result = runner.invoke(app, common + extra + ["-o", str(tmp_path / name)])
+        result = runner.invoke(app, common + extra + ["--json", "-o", str(tmp_path / name)])
         assert result.exit_code == 0, result.output
+        reports[name] = json.loads(result.stdout)
+    for score in ("ppl_before", "ppl_after"):  # the streamed run scores the source and what it wrote, a module at a time
+        assert reports["streamed"][score] == pytest.approx(reports["loaded"][score], rel=1e-3)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "loaded")
     streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed")
     ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))

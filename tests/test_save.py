@@ -107,23 +107,26 @@ def test_a_local_source_card_gives_base_model_and_license(tmp_path):
     assert base_model_id("org/name") == "org/name" and source_license(str(tmp_path / "none")) is None
 
 
-def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_checkpoints, corpus_file, tmp_path, monkeypatch):
-    """ENOSPC while the weights go out: the command says so in one line, and neither the target nor a staging
-    directory is left behind."""
+@pytest.mark.parametrize("path", ["--no-stream", "--stream"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(path, tiny_checkpoints, corpus_file, tmp_path, monkeypatch):
+    """ENOSPC while the weights go out, from the loaded model or into the streamed shards: the command says so
+    in one line, and neither the target nor a staging directory is left behind."""
     import errno
 
     from transformers import PreTrainedModel
     from typer.testing import CliRunner
 
     from attnsurg.cli import app
+    from attnsurg.io.shards import ShardWriter
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", disk_full)
+    monkeypatch.setattr(ShardWriter, "add", disk_full)
     result = CliRunner().invoke(app, ["compress", str(tiny_checkpoints["qwen2"]), "--method", "svd", "--ratio", "0.5",
                                       "--calib-text", str(corpus_file), "--calib-tokens", "256", "--calib-seq-len", "64",
-                                      "--eval-tokens", "0", "-o", str(tmp_path / "out")])
+                                      "--eval-tokens", "0", path, "-o", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     assert "No space left on device" in result.output and "Traceback" not in result.output
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))] == []
@@ -150,7 +153,7 @@ def test_staging_left_by_a_killed_writer_is_removed_and_a_live_ones_kept(tiny, t
 
 
 COMPRESS_TINY = ["--method", "svd", "--ratio", "0.5", "--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "0",
-                 "--eval-domains", "none"]
+                 "--eval-domains", "none", "--no-stream"]  # the whole-model writer: its staging, not a streamed run's
 
 
 def compress_in_a_process(tiny_checkpoints, corpus_file, out, prelude: str, *extra: str):

@@ -45,7 +45,7 @@ from attnsurg.requests import COMMAND_CALIBRATION
 DEFAULT_METHOD = "svdllm"
 FLAGS = {"targets": "--targets", "ratio": "--ratio", "rank": "--rank", "ranks": "--ranks", "top_k": "--top-k",
          "basis": "--basis", "variance": "--variance", "kv_latent": "--kv-latent", "allocate": "--allocate",
-         "weighted": "--weighted/--unweighted", "stacked": "--stacked", "stream": "--stream"}
+         "weighted": "--weighted/--unweighted", "stacked": "--stacked", "stream": "--stream/--no-stream"}
 
 
 class CompressCommand(TyperCommand):
@@ -94,7 +94,8 @@ def compress(
                                                      rich_help_panel=CALIBRATION)] = None,
     stacked: Annotated[Optional[bool], typer.Option("--stacked", help="Tucker: q, k, v, o of a layer in one tensor.",
                                                     rich_help_panel=PLAN)] = None,
-    stream: Annotated[Optional[bool], typer.Option("--stream", help="One layer in memory at a time (local safetensors).",
+    stream: Annotated[Optional[bool], typer.Option("--stream/--no-stream",
+                                                   help="One source layer in memory (default: when possible).",
                                                    rich_help_panel=PLAN)] = None,
     calib_dataset: CalibDataset = COMMAND_CALIBRATION.data.dataset,
     calib_text: CalibText = None,

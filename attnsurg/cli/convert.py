@@ -58,7 +58,7 @@ def convert(
                                                     rich_help_panel=PLAN)] = MLA.rope_dim,
     rope_layout: Annotated[
         str,
-        typer.Option("--rope-layout", help="standard, or flexible (transformers only).", rich_help_panel=PLAN),
+        typer.Option("--rope-layout", help="standard or flexible.", rich_help_panel=PLAN),
     ] = MLA.rope_layout,
     rope_fold: Annotated[
         Optional[int],
@@ -66,19 +66,19 @@ def convert(
     ] = MLA.rope_fold,
     split: Annotated[
         str,
-        typer.Option("--split", help="RoPE width: rule, or measured on held-out windows.", rich_help_panel=PLAN),
+        typer.Option("--split", help="RoPE width: rule, or measured.", rich_help_panel=PLAN),
     ] = MLA.split,
     format: Annotated[
         str,
-        typer.Option("--format", help="native (any engine) or exact (transformers).", rich_help_panel=PLAN),
+        typer.Option("--format", help="native (engines) or exact.", rich_help_panel=PLAN),
     ] = MLA.format,
     nope_width: Annotated[
         str,
-        typer.Option("--nope-width", help="No-RoPE q/k width: latent or head (head_dim).", rich_help_panel=PLAN),
+        typer.Option("--nope-width", help="No-RoPE q/k width: latent or head.", rich_help_panel=PLAN),
     ] = MLA.nope_width,
     engine: Annotated[
         Optional[str],
-        typer.Option("--engine", help="Check and lay out for transformers, llama.cpp, vllm, sglang.",
+        typer.Option("--engine", help="transformers|llama.cpp|vllm|sglang: checked, laid out.",
                      rich_help_panel=PLAN),
     ] = MLA.engine,
     calib_dataset: CalibDataset = MLA_CALIBRATION.data.dataset,
@@ -110,7 +110,8 @@ def convert(
         float, typer.Option("--short-prompts", help="Window share cut to short prompts.", rich_help_panel=CALIBRATION)
     ] = MLA.short_prompts,
     stream: Annotated[
-        bool, typer.Option("--stream", help="One layer in memory at a time (local safetensors).", rich_help_panel=PLAN)
+        Optional[bool], typer.Option("--stream/--no-stream", help="One source layer in memory (default: when possible).",
+                                     rich_help_panel=PLAN)
     ] = MLA.stream,
     eval_tokens: EvalTokens = MLA.eval_tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,

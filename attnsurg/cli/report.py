@@ -49,7 +49,7 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
         record = {"plan": rows, "written": report.written, "seconds": report.seconds, "convert_seconds": report.convert_seconds,
                   "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
                   "layer_errors": [e._asdict() for e in report.layer_errors], "heal": heal_record(report.heal), "domains": domains_record(report),
-                  "split": report.split.record() if report.split else None}
+                  "split": report.split.record() if report.split else None, "streamed": report.streamed}
         print(json.dumps(record, indent=2))
         return
     engine = f", laid out for {report.plan.engine}" if report.plan.engine else ""
@@ -68,7 +68,7 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
         out.print(f"split: {report.split.reason()}")
     if report.written:
         out.print(f"wrote {report.written} in {report.seconds:.1f} s (conversion {report.convert_seconds:.1f} s, "
-                  f"calibration included), peak memory {report.peak_memory_gb:.2f} GB")
+                  f"calibration included), peak memory {report.peak_memory_gb:.2f} GB{streamed_note(report)}")
     if report.mean_layer_error:
         before, after = report.mean_layer_error
         out.print(f"mean relative layer error against the original residual stream: {before:.4f} -> {after:.4f} "
@@ -79,6 +79,10 @@ def print_convert_report(model: str, report, json_output: bool) -> None:
         out.print(f"on held-out calibration windows: {before:.4f} -> {after:.4f} (steps kept per layer: {steps:.0f} on average)")
     print_heal_summary(report.heal)
     print_ppl(report)
+
+
+def streamed_note(report) -> str:
+    return ", the source read one layer at a time" if report.streamed else ", the source loaded whole"
 
 
 def domains_record(report, first: str = "before") -> dict:
@@ -139,14 +143,15 @@ def print_compress_report(model: str, report, dry_run: bool, json_output: bool) 
         record = method.report_record(report.plan, report.anatomy) | {
             "written": report.written, "seconds": report.seconds, "factorize_seconds": report.factorize_seconds,
             "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-            "heal": heal_record(report.heal), "domains": domains_record(report)}
+            "heal": heal_record(report.heal), "domains": domains_record(report), "streamed": report.streamed}
         print(json.dumps(record, indent=2))
         return
     for renderable in method.report_text(model, report.plan, report.anatomy, dry_run):
         out.print(renderable)
     if report.written:
         timed = f" ({method.timed_step} {report.factorize_seconds:.1f} s)" if method.timed_step else ""
-        out.print(f"wrote {report.written} in {report.seconds:.1f} s{timed}, peak memory {report.peak_memory_gb:.2f} GB")
+        out.print(f"wrote {report.written} in {report.seconds:.1f} s{timed}, peak memory {report.peak_memory_gb:.2f} GB"
+                  + streamed_note(report))
     print_heal_summary(report.heal)
     print_ppl(report)
 

@@ -288,8 +288,12 @@ def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window],
                   device: torch.device | None = None) -> float:
     """Token perplexity of an in-memory model on prepared windows, moved to ``device`` for it (default: where it
     is); ``label`` names it on the progress bar."""
+    from attnsurg.io.lazy import OFFLOADED, execution_device
     from attnsurg.placement import on_device
 
+    if hasattr(model, OFFLOADED):  # io.lazy.offloaded_model: each large module is read in at its forward
+        score = score_windows(model, tokens.ids, windows, 1, execution_device(model), label)
+        return math.exp(score.nll / score.tokens)
     with on_device(model, device):
         score = score_windows(model, tokens.ids, windows, 1, next(model.parameters()).device, label)
     return math.exp(score.nll / score.tokens)

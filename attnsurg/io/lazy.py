@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,3 +100,65 @@ def rotary_embedding(config: PretrainedConfig) -> nn.Module:
         skeleton = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     return type(skeleton.model.rotary_emb)(config)
 
+
+
+OFFLOADED = "attnsurg_offloaded"  # the attribute naming an offloaded model's execution device
+
+
+def offloaded_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules an offloaded model reads from its checkpoint at each forward: every decoder layer, the input
+    embeddings and the output head (each whole: a layer's forward may use its children's weights directly)."""
+    inner = getattr(model, model.base_model_prefix)
+    layers = next(module for module in inner.children() if isinstance(module, nn.ModuleList))
+    chosen = {id(m) for m in (*layers, model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    return {name: module for name, module in model.named_modules() if id(module) in chosen}
+
+
+def read_on_forward(module: nn.Module, state: Callable[[], dict[str, torch.Tensor]]) -> None:
+    """``module``'s tensors read (``state()``) just before each forward and dropped to the meta device after it."""
+    empty = {name: torch.empty_like(t, device="meta") for name, t in module.state_dict().items()}
+
+    def load(*_):
+        module.load_state_dict(state(), assign=True)
+
+    def drop(*_):
+        module.load_state_dict(empty, assign=True)
+
+    module.register_forward_pre_hook(load)
+    module.register_forward_hook(drop)
+
+
+def offloaded_model(path: Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A checkpoint directory as a model that holds one large module at a time in ``dtype``: each decoder layer,
+    the embeddings and the output head are read from the safetensors (``offloaded_modules``) on every forward
+    and freed after it; the rest (final norm, rotary) stays on ``device``. What a streamed surgery scores with,
+    so scoring a model larger than memory needs one layer of it; its logits are the loaded model's."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = device or torch.device("cpu")
+    reader = CheckpointReader(Path(path))
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed for real
+        model = AutoModelForCausalLM.from_config(config)
+    offloaded = offloaded_modules(model)
+    for name, module in offloaded.items():
+        read_on_forward(module, lambda name=name: tensors_of(reader, name, dtype, device))
+    under = tuple(f"{name}." for name in offloaded)
+    resident = {name: reader.tensor(name, dtype).to(device) for name in model.state_dict() if not name.startswith(under)}
+    model.load_state_dict(resident, strict=False, assign=True)
+    setattr(model, OFFLOADED, device)
+    return model.eval()
+
+
+def tensors_of(reader: CheckpointReader, module: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """One module's tensors, keyed as its state dict; a tied output head reads the input embeddings' table."""
+    state = reader.state(f"{module}.", dtype)
+    if not state and module == "lm_head":
+        state = {"weight": next(reader.tensor(name, dtype) for name in reader.weight_map if name.endswith("embed_tokens.weight"))}
+    return {name: tensor.to(device) for name, tensor in state.items()}
+
+
+def execution_device(model: nn.Module) -> torch.device:
+    """Where a model's forward runs: its parameters' device, or an offloaded one's (``offloaded_model``)."""
+    return getattr(model, OFFLOADED, None) or next(model.parameters()).device

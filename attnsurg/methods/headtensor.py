@@ -61,7 +61,6 @@ class HeadTensorSettings(CompressSettings):
     ranks: tuple[int, ...] | None = None
     weighted: bool = True
     stacked: bool = False
-    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
 
     @classmethod
     def accepts(cls, key: str) -> bool:

@@ -103,7 +103,6 @@ class LokiSettings(CompressSettings):
     variance: float | None = Field(None, gt=0, le=1)  # instead of rank: per-layer ranks keeping this share of the key variance
     top_k: int | float | None = None
     basis: Literal["post-rope", "pre-rope"] = "post-rope"
-    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
 
     @field_validator("top_k", mode="before")
     @classmethod

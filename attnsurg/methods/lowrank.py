@@ -180,7 +180,6 @@ class LowRankSettings(CompressSettings):
     kv_latent: bool = False
     allocate: bool = False
     weighted: bool | None = None
-    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
 
     @field_validator("targets", mode="before")
     @classmethod

@@ -37,7 +37,6 @@ class TopKSettings(CompressSettings):
 
     method: Literal["topk"] = NAME
     top_k: int | float | None = None
-    stream: bool = False  # one source layer in memory at a time (models larger than memory); not scored
 
     @field_validator("top_k", mode="before")
     @classmethod

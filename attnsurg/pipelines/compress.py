@@ -38,6 +38,8 @@ from attnsurg.pipelines.steps import (
     peak_memory_gb,
     start_streamed,
     start_surgery,
+    stream_refusal,
+    streams,
 )
 from attnsurg.recipe import Recipe, SurgeryRequest
 
@@ -58,6 +60,7 @@ class CompressReport:
     domains: dict[str, tuple[float, float]] = field(default_factory=dict)  # ppl before/after off the calibration text
     heal: HealReport | None = None
     errors: list[float] = field(default_factory=list)
+    streamed: bool = False  # the source read one decoder layer at a time
 
 
 def plan_request(request: Request):
@@ -72,8 +75,9 @@ def run_compress(request: Request, dry_run: bool = False, recipe: Recipe | None 
     report = CompressReport(plan, anatomy)
     if dry_run:
         return report
-    if getattr(request, "stream", False):
-        return run_streamed(request, source, anatomy, report, recipe or Recipe.from_request(request))
+    recipe = recipe or Recipe.from_request(request)
+    if streams(request, compressor_for(request).stream_refusal(plan) or stream_refusal(request, source, anatomy, recipe)):
+        return run_streamed(request, source, anatomy, report, recipe)
     surgery = start_surgery(request, source, anatomy)
     result_model = operated_once(lambda: operate(surgery, request, plan, anatomy, report), request, recipe)
     card = partial(compress_card, request, report)
@@ -88,8 +92,9 @@ STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard i
 def run_streamed(request: Request, source, anatomy: AttentionAnatomy, report: CompressReport,
                  recipe: Recipe) -> CompressReport:
     """Compress with one source layer in memory at a time (``compress_stream``), written
-    straight into the staged output in the source's dtype. Nothing is scored: that would load both models whole."""
-    surgery, config, dtype = start_streamed(request, source, anatomy, recipe)
+    straight into the staged output in the source's dtype; the source and the output are scored a module at a time."""
+    report.streamed = True
+    surgery, config, dtype = start_streamed(request, source, anatomy)
     fingerprint = settings_fingerprint(recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows, Path(source.path))
     with resumable_checkpoint(request.output, request.overwrite, fingerprint) as checkpoints:
         staging = checkpoints.directory
@@ -98,9 +103,8 @@ def run_streamed(request: Request, source, anatomy: AttentionAnatomy, report: Co
                 CheckpointReader(Path(source.path)), config, surgery.family, surgery.windows, report.plan, staging,
                 dtype, STREAM_SHARD_SIZE, advance, surgery.device, checkpoints, request.seed)
         report.factorize_seconds = time.perf_counter() - surgery.started
-        card = compress_card(request, report)
-        finish_streamed(staging, written, source, surgery, card, recipe,
-                        {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")})
+        finish_streamed(staging, written, source, surgery, request, report, partial(compress_card, request, report),
+                        recipe, {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")})
     report.written = str(request.output)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()

@@ -11,7 +11,6 @@ from transformers import PreTrainedModel
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.calibrate import SHORT_PROMPT_TOKENS, short_prompt_starts
-from attnsurg.errors import UserError
 from attnsurg.heal import HealReport
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
@@ -41,6 +40,8 @@ from attnsurg.pipelines.steps import (
     peak_memory_gb,
     start_streamed,
     start_surgery,
+    stream_refusal,
+    streams,
 )
 from attnsurg.recipe import ConvertMLA, Recipe, refined_share
 
@@ -59,6 +60,7 @@ class ConvertReport:
     heal: HealReport | None = None
     layer_errors: list[LayerError] = field(default_factory=list)
     split: SplitChoice | None = None  # the splits compared (``--split measured``)
+    streamed: bool = False  # the source read one decoder layer at a time
 
     @property
     def mean_layer_error(self) -> tuple[float, float] | None:
@@ -107,10 +109,17 @@ def plan_request(request: ConvertMLA):
     if request.split == "measured":
         check_measurable(request.calibration.tokens // request.calibration.seq_len, request.kv_rank, request.rope_dim,
                          request.rope_fold)
-        if request.stream:
-            raise UserError("--split measured compares splits on the whole model's statistics; with --stream give "
-                            "--rope-dim")
     return source, anatomy, plan
+
+
+def mla_stream_refusal(request: ConvertMLA, source, anatomy: AttentionAnatomy, recipe: Recipe) -> str | None:
+    """Why this conversion cannot read the source a layer at a time (``steps.stream_refusal``, and what MLA's
+    streamed conversion does not do yet), or None."""
+    if request.split == "measured":
+        return "--split measured compares splits on the whole model's statistics; with --stream give --rope-dim"
+    if request.short_prompts:
+        return "--short-prompts is not available with --stream yet; drop one of them"
+    return stream_refusal(request, source, anatomy, recipe)
 
 
 def split_candidates_of(request: ConvertMLA, anatomy: AttentionAnatomy) -> list[MLAPlan] | None:
@@ -140,7 +149,8 @@ def run_convert(request: ConvertMLA, dry_run: bool = False, recipe: Recipe | Non
     report = ConvertReport(plan, anatomy)
     if dry_run:
         return report
-    if request.stream:
+    recipe = recipe or Recipe.from_request(request)
+    if streams(request, mla_stream_refusal(request, source, anatomy, recipe)):
         return run_streamed(request, source, anatomy, report, recipe)
     surgery = start_surgery(request, source, anatomy)
     model = operated_once(lambda: operate(surgery, request, plan, report), request, recipe)
@@ -167,13 +177,11 @@ STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard i
 
 
 def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report: ConvertReport,
-                 recipe: Recipe | None) -> ConvertReport:
+                 recipe: Recipe) -> ConvertReport:
     """Convert with one source layer in memory at a time (``mla.stream``), written straight into the staged
-    output in the source's dtype. Nothing is scored: that would load both models whole."""
-    recipe = recipe or Recipe.from_request(request)
-    if request.short_prompts:
-        raise UserError("--short-prompts is not available with --stream yet; drop one of them")
-    surgery, config, dtype = start_streamed(request, source, anatomy, recipe)
+    output in the source's dtype; the source and the output are scored a module at a time."""
+    report.streamed = True
+    surgery, config, dtype = start_streamed(request, source, anatomy)
     fingerprint = settings_fingerprint(recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows, Path(source.path))
     with resumable_checkpoint(request.output, request.overwrite, fingerprint) as checkpoints:
         staging = checkpoints.directory
@@ -183,7 +191,7 @@ def run_streamed(request: ConvertMLA, source, anatomy: AttentionAnatomy, report:
                 report.plan, staging, request.weighted, refinement_of(request), dtype, STREAM_SHARD_SIZE, advance,
                 surgery.device, checkpoints, request.token_weights == "received")
         report.convert_seconds = time.perf_counter() - surgery.started
-        finish_streamed(staging, written, source, surgery, mla_card(request, report), recipe)
+        finish_streamed(staging, written, source, surgery, request, report, lambda: mla_card(request, report), recipe)
     report.written = str(request.output)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()

@@ -19,10 +19,11 @@ from attnsurg.arch.families import LLAMA_LIKE_LAYERS, Family, family_for_surgery
 from attnsurg.arch.unfuse import UNFUSED_AS, unfused_model
 from attnsurg.calibrate import calibration_windows
 from attnsurg.data import parse_datasets, read_text_file
-from attnsurg.eval.perplexity import perplexity_of, scoring_windows
+from attnsurg.eval.perplexity import Tokens, perplexity_of, scoring_windows
+from attnsurg.eval.windows import Window
 from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
-from attnsurg.io.lazy import require_finite
+from attnsurg.io.lazy import offloaded_model, require_finite
 from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_device
 from attnsurg.io.save import check_output_path, finish_staging, write_checkpoint
 from attnsurg.modeling import register as register_attnsurg
@@ -230,12 +231,11 @@ class Surgery:
 
 def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool = True) -> Surgery:
     """Refuse an existing output first (nothing is loaded for a request that cannot be written), seed, load
-    the source (without ``load_weights``: its tokenizer only, for a streamed surgery that scores nothing) and
-    cut the calibration windows."""
+    the source (without ``load_weights``: its tokenizer only, for a streamed surgery) and cut the calibration
+    windows."""
     check_output_path(request.output, request.overwrite)
     device = surgery_device(request.device, anatomy) if load_weights else resolve_device(request.device)
-    if load_weights:
-        fetch_domains(domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens))
+    fetch_domains(domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens))
     set_seed(request.seed)
     started = time.perf_counter()
     family = family_for_surgery(anatomy.model_type)
@@ -245,22 +245,35 @@ def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool
     return Surgery(family, model, tokenizer, windows, started, device)
 
 
-def start_streamed(request, source, anatomy: AttentionAnatomy, recipe: Recipe) -> tuple[Surgery, PretrainedConfig, torch.dtype]:
-    """A surgery that reads the source one decoder layer at a time: refused with a heal step (healing holds the
-    whole model) or a source that is not a safetensors directory; its tokenizer and windows, the source's
-    config and the dtype the output is written in (the source's)."""
+def stream_refusal(request, source, anatomy: AttentionAnatomy, recipe: Recipe) -> str | None:
+    """Why this run cannot read the source one decoder layer at a time, or None: healing holds the whole model,
+    layers of mixed types or fused projections need a whole-model load, and the layers are read from a local
+    safetensors directory."""
     if recipe.heal is not None:
-        raise UserError("healing needs the whole model in memory; run with stream: false, or heal afterwards with "
-                        "`attnsurg heal`")
+        return "healing needs the whole model in memory; run with stream: false, or heal afterwards with `attnsurg heal`"
     if anatomy.model_type not in LLAMA_LIKE_LAYERS:
-        raise UserError(f"--stream runs each layer with one RoPE and a causal mask, and {anatomy.model_type} mixes "
-                        "layer types; drop --stream")
+        return (f"--stream runs each layer with one RoPE and a causal mask, and {anatomy.model_type} mixes layer types; "
+                "drop --stream")
     if anatomy.model_type in UNFUSED_AS:
-        raise UserError(f"--stream reads layers as stored, and {anatomy.model_type}'s fused projections are split "
-                        "only on a whole-model load; drop --stream")
+        return (f"--stream reads layers as stored, and {anatomy.model_type}'s fused projections are split only on a "
+                "whole-model load; drop --stream")
     if source.kind not in ("dir", "builtin"):
-        raise UserError(f"--stream reads a local safetensors checkpoint directory, and '{request.model.ref}' is a "
-                        f"{source.kind} source; convert it to a directory first, or drop --stream")
+        return (f"--stream reads a local safetensors checkpoint directory, and '{request.model.ref}' is a {source.kind} "
+                "source; convert it to a directory first, or drop --stream")
+    return None
+
+
+def streams(request, refusal: str | None) -> bool:
+    """Whether the run reads the source a layer at a time: as asked (``stream: true`` refused with the reason it
+    cannot), or by default whenever it can, so memory holds one layer of the source, not the whole model."""
+    if request.stream and refusal:
+        raise UserError(refusal)
+    return refusal is None if request.stream is None else request.stream
+
+
+def start_streamed(request, source, anatomy: AttentionAnatomy) -> tuple[Surgery, PretrainedConfig, torch.dtype]:
+    """A surgery that reads the source one decoder layer at a time (``streams``): its tokenizer and windows, the
+    source's config and the dtype the output is written in (the source's)."""
     surgery = start_surgery(request, source, anatomy, load_weights=False)
     config = load_config(source, request.model.trust_remote_code)
     return surgery, config, DTYPES.get(str(config.dtype or "float32").removeprefix("torch."), torch.float32)
@@ -274,11 +287,18 @@ def generation_config(source_path: str, config) -> GenerationConfig:
         return GenerationConfig.from_model_config(config)
 
 
-def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: Surgery, info: CardInfo,
-                    recipe: Recipe, extra_files: dict[str, str] | None = None) -> None:
-    """Config, generation settings, tokenizer, card and recipe beside the streamed shards."""
+def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: Surgery, request, report,
+                    card: Callable[[], CardInfo], recipe: Recipe, extra_files: dict[str, str] | None = None) -> None:
+    """Config, generation settings, tokenizer, card and recipe beside the streamed shards; the source and the
+    staged output scored before and after on the same windows, each read a module at a time."""
     written.save_pretrained(staging)
     generation_config(source.path, written).save_pretrained(staging)
+    texts = scored_texts(surgery.tokenizer, request, report.anatomy)
+    if texts:
+        before = perplexities(offloaded_model(Path(source.path), surgery.device), texts, "the source")
+        after = perplexities(offloaded_model(staging, surgery.device), texts, "the result")
+        record_scores(report, texts, before, after)
+    info = card()
     info.license = info.license or source_license(recipe.model.ref)
     info.remote_code = bool(getattr(written, "auto_map", None))
     if note := source_note(recipe.model.ref):
@@ -286,9 +306,44 @@ def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: S
     trust = recipe.model.trust_remote_code
     info.figures[:0] = parameter_rows(meta_model(load_config(source, trust), trust), meta_model(written, trust),
                                       surgery.family.attention_attr)  # counted on the meta device: nothing allocated
-    info.details.append("written one decoder layer at a time (`--stream`); not scored here: score it with "
-                        "`attnsurg eval perplexity SOURCE THIS --dataset all`")
+    add_score_rows(info, request, report)
+    info.details.append("written one decoder layer at a time (`--stream`)"
+                        + ("; scored with one module of each model in memory at a time" if texts else ""))
     finish_staging(staging, surgery.tokenizer, info, {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})})
+
+
+ScoredText = tuple[str, Tokens, list[Window]]  # a text's name, its tokens and the windows scored
+
+
+def scored_texts(tokenizer, request, anatomy: AttentionAnatomy) -> list[ScoredText]:
+    """The windows every before/after score uses: the calibration text's eval part first, then each domain's
+    (none without eval tokens, or on a process that does not score)."""
+    if not request.eval_tokens or not is_main_process():
+        return []
+    first = scored_text(request.calibration.data)
+    texts = [first, *domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens)]
+    return [(data.dataset or str(data.text), *scoring_windows(tokenizer, data, request.eval_tokens, anatomy.max_positions))
+            for data in texts]
+
+
+def perplexities(model: PreTrainedModel, texts: list[ScoredText], label: str, device: torch.device | None = None) -> list[float]:
+    """The model's token perplexity on each text (the first named ``label`` alone on the progress bar)."""
+    return [perplexity_of(model, tokens, windows, label if i == 0 else f"{label} on {name}", device)
+            for i, (name, tokens, windows) in enumerate(texts)]
+
+
+def record_scores(report, texts: list[ScoredText], before: list[float], after: list[float]) -> None:
+    report.ppl_before, report.ppl_after = before[0], after[0]
+    report.domains = {name: (b, a) for (name, _, _), b, a in zip(texts[1:], before[1:], after[1:], strict=True)}
+
+
+def add_score_rows(info: CardInfo, request, report) -> None:
+    """The card's perplexity rows: the calibration text's, then each domain's."""
+    if report.ppl_before is None:
+        return
+    info.figures.append(perplexity_row(scored_text(request.calibration.data), request.eval_tokens, report.ppl_before,
+                                       report.ppl_after, f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))
+    info.figures.extend(domain_rows(report.domains, request.eval_tokens))
 
 
 OPERATED_DIR = "operated"  # inside the heal state directory: the surgery's result, kept until healing is written
@@ -351,24 +406,18 @@ def finish_surgery(
     """Heal if the recipe says so, score before/after on the same windows, cast to the source dtype, fill
     the report's timing and write the checkpoint with its card and the recipe that made it."""
     recipe = recipe or Recipe.from_request(request)
-    domains = domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens)
-    held_out = None  # one set of windows scores the source, the operated model and the healed one
-    if request.eval_tokens and is_main_process():
-        held_out = scoring_windows(surgery.tokenizer, scored_text(request.calibration.data), request.eval_tokens,
-                                   anatomy.max_positions)
+    texts = scored_texts(surgery.tokenizer, request, anatomy)  # one set of windows scores the source, the result and the healed one
     if recipe.heal is not None:
-        before_healing = (perplexity_of(result, *held_out, "the result before healing", surgery.device)
-                          if held_out is not None else None)
+        before_healing = (perplexity_of(result, *texts[0][1:], "the result before healing", surgery.device)
+                          if texts else None)
         report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed,
                                  heal_state_dir(request.output), device=surgery.device)
         report.heal.ppl_start = before_healing
         if not is_main_process():  # under `accelerate launch`, one process scores and writes
             return
-    if held_out is not None:
-        report.ppl_before = perplexity_of(surgery.model, *held_out, "the source", surgery.device)
-        report.ppl_after = perplexity_of(result, *held_out, "the result", surgery.device)
-        report.domains = score_domains(surgery.model, result, surgery.tokenizer, domains, request.eval_tokens,
-                                       anatomy.max_positions, surgery.device)
+    if texts:
+        record_scores(report, texts, perplexities(surgery.model, texts, "the source", surgery.device),
+                      perplexities(result, texts, "the result", surgery.device))
     to_source_dtype(result, anatomy)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()
@@ -379,10 +428,7 @@ def finish_surgery(
     if note := source_note(request.model.ref):
         info.details.insert(0, note)
     info.figures[:0] = parameter_rows(surgery.model, result, surgery.family.attention_attr)
-    if report.ppl_before is not None:
-        info.figures.append(perplexity_row(scored_text(request.calibration.data), request.eval_tokens, report.ppl_before, report.ppl_after,
-                                           f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))
-        info.figures.extend(domain_rows(report.domains, request.eval_tokens))
+    add_score_rows(info, request, report)
     if getattr(report, "heal", None) is not None:
         add_healing(info, report.heal, recipe.heal, report.ppl_before)
     report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, info, request.overwrite, extra_files=files))

@@ -60,12 +60,15 @@ def test_streamed_statistics_equal_the_loaded_models(variant, window, tiny_check
         torch.testing.assert_close(o_proj.sigma, loaded[layers + index].sigma, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2", "llama-mha"])
 def test_an_offloaded_model_computes_the_loaded_ones_logits_in_float32(variant, tiny_checkpoints, tmp_path):
     """Stored in bfloat16 and sharded: every decoder layer, the embeddings and the head are read from the shards
-    on each forward, in float32, and dropped after it; the logits are the float32 model's."""
+    on each forward, in float32, and dropped after it; the logits are the float32 model's. llama-mha ties its
+    head to the embeddings, so the head is not stored and is read from the embeddings' table."""
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant], dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16", max_shard_size="40KB")
+    stored = CheckpointReader(tmp_path / "bf16").weight_map
+    assert ("lm_head.weight" in stored) == (not model.config.tie_word_embeddings)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
     offloaded = offloaded_model(tmp_path / "bf16")
     assert set(offloaded_modules(offloaded)) == {f"model.layers.{i}" for i in range(loaded.config.num_hidden_layers)} | {

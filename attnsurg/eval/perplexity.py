@@ -7,6 +7,7 @@ bits per byte follow lm-eval's definitions over the text the scored tokens cover
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import math
@@ -291,11 +292,9 @@ def perplexity_of(model: PreTrainedModel, tokens: Tokens, windows: list[Window],
     from attnsurg.io.lazy import OFFLOADED, execution_device
     from attnsurg.placement import on_device
 
-    if hasattr(model, OFFLOADED):  # io.lazy.offloaded_model: each large module is read in at its forward
+    # An offloaded model (io.lazy.offloaded_model) stays where it is: each large module is read in at its forward.
+    with contextlib.nullcontext(model) if hasattr(model, OFFLOADED) else on_device(model, device):
         score = score_windows(model, tokens.ids, windows, 1, execution_device(model), label)
-        return math.exp(score.nll / score.tokens)
-    with on_device(model, device):
-        score = score_windows(model, tokens.ids, windows, 1, next(model.parameters()).device, label)
     return math.exp(score.nll / score.tokens)
 
 

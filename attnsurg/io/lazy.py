@@ -101,7 +101,6 @@ def rotary_embedding(config: PretrainedConfig) -> nn.Module:
     return type(skeleton.model.rotary_emb)(config)
 
 
-
 OFFLOADED = "attnsurg_offloaded"  # the attribute naming an offloaded model's execution device
 
 
@@ -143,7 +142,8 @@ def offloaded_model(path: Path, device: torch.device | None = None, dtype: torch
         model = AutoModelForCausalLM.from_config(config)
     offloaded = offloaded_modules(model)
     for name, module in offloaded.items():
-        read_on_forward(module, lambda name=name: tensors_of(reader, name, dtype, device))
+        prefix = stored_prefix(reader, model, name)
+        read_on_forward(module, lambda prefix=prefix: {k: t.to(device) for k, t in reader.state(prefix, dtype).items()})
     under = tuple(f"{name}." for name in offloaded)
     resident = {name: reader.tensor(name, dtype).to(device) for name in model.state_dict() if not name.startswith(under)}
     model.load_state_dict(resident, strict=False, assign=True)
@@ -151,12 +151,15 @@ def offloaded_model(path: Path, device: torch.device | None = None, dtype: torch
     return model.eval()
 
 
-def tensors_of(reader: CheckpointReader, module: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """One module's tensors, keyed as its state dict; a tied output head reads the input embeddings' table."""
-    state = reader.state(f"{module}.", dtype)
-    if not state and module == "lm_head":
-        state = {"weight": next(reader.tensor(name, dtype) for name in reader.weight_map if name.endswith("embed_tokens.weight"))}
-    return {name: tensor.to(device) for name, tensor in state.items()}
+def stored_prefix(reader: CheckpointReader, model: nn.Module, module: str) -> str:
+    """Where module ``module``'s tensors are stored: under its own name, or for an output head tied to the
+    input embeddings (and so not stored), under the embeddings' name."""
+    prefix = f"{module}."
+    head = model.get_output_embeddings()
+    if head is not None and model.get_submodule(module) is head and not any(n.startswith(prefix) for n in reader.weight_map):
+        embeddings = model.get_input_embeddings()
+        return next(f"{name}." for name, m in model.named_modules() if m is embeddings)
+    return prefix
 
 
 def execution_device(model: nn.Module) -> torch.device:

@@ -1,5 +1,5 @@
-"""Surgery settings and the recipe grammar: each method's settings (a recipe step and its command's options), the
-context every surgery request carries, and ``Recipe``, a whole run as a file.
+"""Surgery settings and the recipe grammar: the settings of MLA, of healing and the base of every compress
+method's (a recipe step and its command's options), and ``Recipe``, a whole run as a file.
 
 Unknown keys are rejected so a typo in a recipe is an error, not a silently ignored setting.
 """
@@ -15,7 +15,6 @@ from pydantic import (
     SerializeAsAny,
     Tag,
     WrapValidator,
-    create_model,
     field_validator,
     model_validator,
 )
@@ -30,19 +29,6 @@ from attnsurg.requests import (
     Strict,
     TextData,
 )
-
-
-class SurgeryContext(Strict):
-    """What every surgery request carries besides its method's settings."""
-
-    model: ModelRef
-    output: Path
-    calibration: Calibration = Calibration()
-    eval_tokens: int = Field(2048, ge=0)
-    eval_domains: EvalDomainList = Field(default_factory=lambda: list(EVAL_DOMAINS))
-    overwrite: bool = False
-    seed: int = 0
-    device: str = "auto"  # where calibration and refinement run; not part of the recipe file
 
 
 # ------------------------------------------------------------------------- method settings (recipe steps)
@@ -142,7 +128,6 @@ class HealSettings(Strict):
         return {**data, "part": "calib"} if isinstance(data, dict) else data
 
 
-# ------------------------------------------------------------------------------- requests (one command)
 def check_refinement_fits(settings: MLASettings, calibration: Calibration) -> None:
     """Refinement reads the first refine_tokens of the calibration windows: a count asked for beyond them is an
     error; unset, it reads the first half of them (``refined_share``)."""
@@ -151,36 +136,6 @@ def check_refinement_fits(settings: MLASettings, calibration: Calibration) -> No
             f"refinement reads {settings.refine_tokens} tokens (refine_tokens, --refine-tokens) but calibration has "
             f"{calibration.tokens} (calibration.tokens, --calib-tokens); raise the one or lower the other"
         )
-
-
-class ConvertMLA(MLASettings, SurgeryContext):
-    """``attnsurg convert MODEL --to mla``: GQA/MHA to a DeepseekV3 (latent attention) checkpoint."""
-
-    calibration: Calibration = MLA_CALIBRATION
-
-    @model_validator(mode="after")
-    def _refinement_fits(self) -> ConvertMLA:
-        check_refinement_fits(self, self.calibration)
-        return self
-
-
-REQUEST_TYPES: dict[type, type] = {MLASettings: ConvertMLA}
-
-
-def request_type(settings_type: type) -> type:
-    """The request a method's settings run as: the settings plus the ``SurgeryContext``."""
-    if settings_type not in REQUEST_TYPES:
-        name = settings_type.__name__.removesuffix("Settings")
-        REQUEST_TYPES[settings_type] = create_model(f"Compress{name}", __base__=(settings_type, SurgeryContext),
-                                                    __module__=settings_type.__module__)
-    return REQUEST_TYPES[settings_type]
-
-
-def settings_type_of(request) -> type:
-    return next(settings for settings, request_class in REQUEST_TYPES.items() if type(request) is request_class)
-
-
-SurgeryRequest = SurgeryContext  # a ConvertMLA, or a method's settings with the context (``request_type``)
 
 
 # ------------------------------------------------------------------------------------------- recipes
@@ -208,6 +163,11 @@ class CompressStep(Strict):
 
 class HealStep(Strict):
     heal: HealSettings
+
+
+def surgery_step(settings: MLASettings | CompressSettings) -> ConvertStep | CompressStep:
+    """The recipe step that holds these settings."""
+    return ConvertStep(convert=settings) if isinstance(settings, MLASettings) else CompressStep(compress=settings)
 
 
 STEP_KINDS = ("convert", "compress", "heal")
@@ -282,22 +242,3 @@ class Recipe(Strict):
     @property
     def heal(self) -> HealSettings | None:
         return next((step.heal for step in self.steps if isinstance(step, HealStep)), None)
-
-    def request(self, overwrite: bool = False, device: str = "auto") -> SurgeryRequest:
-        """The surgery step as the request its command runs (``overwrite`` and ``device`` belong to the run,
-        not to the recipe)."""
-        settings = self.surgery
-        if settings is None:
-            raise ValueError("this recipe has no convert or compress step")
-        context = dict(model=self.model, output=self.output, calibration=self.calibration,
-                       eval_tokens=self.eval.tokens, eval_domains=self.eval.domains, overwrite=overwrite, seed=self.seed, device=device)
-        return request_type(type(settings))(**context, **dict(settings))
-
-    @classmethod
-    def from_request(cls, request: SurgeryRequest, heal: HealSettings | None = None) -> Recipe:
-        settings_type = settings_type_of(request)
-        settings = settings_type(**{name: getattr(request, name) for name in settings_type.model_fields})
-        step = ConvertStep(convert=settings) if settings_type is MLASettings else CompressStep(compress=settings)
-        steps = [step] + ([HealStep(heal=heal)] if heal else [])
-        return cls(model=request.model, output=request.output, steps=steps, calibration=request.calibration,
-                   eval=Evaluation(tokens=request.eval_tokens, domains=request.eval_domains), seed=request.seed)

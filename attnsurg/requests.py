@@ -99,6 +99,13 @@ class TextData(Strict):
 
         return parse_datasets(self.dataset) if self.dataset and self.text is None else []
 
+    def described(self) -> str:
+        """The text in words: a file, a dataset, or several datasets taking windows in turn."""
+        if self.text is not None:
+            return str(self.text)
+        names = self.datasets()
+        return names[0] if len(names) == 1 else f"{', '.join(names)} (windows in turn)"
+
     def scored(self) -> TextData:
         """The text whose eval part is scored as "this text": itself, or the first of several datasets."""
         names = self.datasets()

@@ -66,10 +66,11 @@ def test_compress_stream_writes_the_checkpoint_compress_writes(tiny_checkpoints,
               "--ratio", "0.5", "--calib-text", str(corpus_file), "--calib-tokens", "512", "--calib-seq-len", "64",
               "--eval-tokens", "128", "--eval-domains", "none"]
     reports = {}
-    for name, extra in (("loaded", []), ("streamed", ["--stream"])):
+    for name, extra in (("loaded", ["--no-stream"]), ("streamed", ["--stream"])):
         result = runner.invoke(app, common + extra + ["--json", "-o", str(tmp_path / name)])
         assert result.exit_code == 0, result.output
         reports[name] = json.loads(result.stdout)
+        assert reports[name]["streamed"] == (name == "streamed")
     for score in ("ppl_before", "ppl_after"):  # the streamed run scores the source and what it wrote, a module at a time
         assert reports["streamed"][score] == pytest.approx(reports["loaded"][score], rel=1e-4)
     loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
@@ -95,7 +96,7 @@ def test_every_other_method_streams_to_the_checkpoint_compress_writes(budget, ti
 
     common = ["compress", str(tiny_checkpoints["llama-gqa"]), *budget, "--calib-text", str(corpus_file),
               "--calib-tokens", "512", "--calib-seq-len", "64", "--eval-tokens", "0"]
-    for name, extra in (("loaded", []), ("streamed", ["--stream"])):
+    for name, extra in (("loaded", ["--no-stream"]), ("streamed", ["--stream"])):
         result = CliRunner().invoke(app, common + extra + ["-o", str(tmp_path / name)])
         assert result.exit_code == 0, result.output
     loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
@@ -111,3 +112,28 @@ def test_every_other_method_streams_to_the_checkpoint_compress_writes(budget, ti
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)
     assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
+
+
+def test_a_checkpoint_of_pickle_weights_loads_whole_and_refuses_stream(tiny_checkpoints, corpus_file, tmp_path):
+    """Streaming reads safetensors a tensor at a time: pickle weights (allowed with --allow-pickle) are loaded
+    whole by default, and --stream says why it cannot."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    source = tiny_checkpoints["llama-gqa"]
+    target = tmp_path / "pickled"
+    target.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, target)
+    torch.save(AutoModelForCausalLM.from_pretrained(source).state_dict(), target / "pytorch_model.bin")
+    common = ["compress", str(target), "--allow-pickle", "--method", "svd", "--ratio", "0.5", "--calib-text",
+              str(corpus_file), "--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "0"]
+    result = CliRunner().invoke(app, common + ["--json", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["streamed"] is False
+    refused = CliRunner().invoke(app, common + ["--stream", "-o", str(tmp_path / "never")])
+    assert refused.exit_code == 2 and "pickle" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "never").exists()

@@ -52,16 +52,9 @@ def test_demo_gguf_file_loads_directly(demo_model, tmp_path):
 def test_demo_model_converts_to_mla_that_stock_transformers_runs(demo_model, wiki_text, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnsurg.pipelines.convert import run_convert
-    from attnsurg.recipe import ConvertMLA
+    from attnsurg.api import convert
 
-    request = ConvertMLA(
-        model=ModelRef(ref="smollm2-135m"),
-        output=tmp_path / "mla",
-        kv_budget=0.5,
-        eval_tokens=1024,
-    )
-    report = run_convert(request)
+    report = convert("smollm2-135m", tmp_path / "mla", kv_budget=0.5, eval_tokens=1024)
     # The default conversion: closed form x1.93, refined x1.24 on 4 x 1024 tokens (benchmarks/mla_budget.py).
     # Shorter refinements (5 or 10 steps over 1024 tokens) pass the bound but lose "Paris" below.
     assert report.ppl_after / report.ppl_before < 1.5
@@ -104,16 +97,11 @@ def test_demo_model_kv_latent_at_half_the_cache(demo_model, wiki_text, tmp_path)
     import torch
     from transformers import DynamicCache
 
-    from attnsurg.pipelines.compress import run_compress
+    from attnsurg.api import compress
     from attnsurg.io.load import load_model, resolve_source
-    from attnsurg.methods.lowrank import LowRankSettings
-    from attnsurg.recipe import request_type
 
-    request = request_type(LowRankSettings)(
-        model=ModelRef(ref="smollm2-135m"), output=tmp_path / "kv50", method="svdllm", targets=("k", "v"),
-        ratio=0.5, kv_latent=True, eval_tokens=2048,
-    )
-    report = run_compress(request)
+    report = compress("smollm2-135m", tmp_path / "kv50", method="svdllm", targets=("k", "v"), ratio=0.5, kv_latent=True,
+                      eval_tokens=2048)
     assert report.ppl_after / report.ppl_before < 1.25
     model = load_model(resolve_source(str(tmp_path / "kv50")))
     cache = DynamicCache(config=model.config)

@@ -10,7 +10,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
-from attnsurg.methods import cp, headtensor, tucker
+from attnsurg.methods import cp, head_whitening, headtensor, tucker
 from attnsurg.methods.headtensor import compress_head_tensor, plan_head_tensor
 from attnsurg.modeling.modeling_attnsurg import CPProjection, TuckerProjection
 
@@ -207,12 +207,12 @@ def test_hidden_factor_refit_lowers_the_exact_objective(name):
     unit, attn = plan.units[0], model.model.layers[0].self_attn
     weight = getattr(attn, f"{name}_proj").weight
     x = stats[0][1] if name == "o" else stats[0][0]
-    consumer = headtensor.consumer_blocks(unit, layer_contexts(model, family_for_surgery("llama"), stats, 64)[0])
-    w = headtensor.whiten(unit, weight, x, consumer)
-    state = headtensor.module_state(plan, cp.decompose(w.tensor, (6,), 50, 1e-5, 0).factors, w, None)
+    consumer = head_whitening.consumer_blocks(unit, layer_contexts(model, family_for_surgery("llama"), stats, 64)[0])
+    w = head_whitening.whiten(unit, weight, x, consumer)
+    state = head_whitening.module_state(plan, cp.decompose(w.tensor, (6,), 50, 1e-5, 0).factors, w, None)
 
     def objective() -> float:
-        K, C = headtensor.head_maps(state), state["factor_hidden"]
+        K, C = head_whitening.head_maps(state), state["factor_hidden"]
         if name == "o":
             delta = weight.detach().double() - C @ K.T
             return float(torch.trace(delta @ x.sigma[:-1, :-1] @ delta.T))
@@ -220,5 +220,5 @@ def test_hidden_factor_refit_lowers_the_exact_objective(name):
         return float(torch.trace(torch.block_diag(*consumer) @ delta @ x.sigma[:-1, :-1] @ delta.T))
 
     before = objective()
-    headtensor.refit_hidden_factor(unit, state, weight, x, consumer)
+    head_whitening.refit_hidden_factor(unit, state, weight, x, consumer)
     assert objective() < before

@@ -264,17 +264,24 @@ def test_gradient_checkpointing_trains_the_same_weights(teacher_and_tokenizer, c
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def mla_job(model, output, kv_budget: float, heal: bool = False):
+    """The job ``convert --to mla --kv-budget B`` runs (with a heal step after it when ``heal``)."""
+    from attnsurg.api import surgery_recipe
+    from attnsurg.pipelines.job import Job
+    from attnsurg.recipe import ConvertStep, HealSettings, MLASettings
+
+    step = ConvertStep(convert=MLASettings(kv_budget=kv_budget))
+    return Job(surgery_recipe(str(model), output, step, None, HealSettings() if heal else None, 2048, [], 0))
+
+
 def test_under_several_processes_the_main_one_operates_and_the_others_load(tiny_checkpoints, tmp_path, monkeypatch):
     """operated_once: the main process runs the surgery and saves it in the heal state directory; another
     process never runs it and loads exactly that model."""
     from types import SimpleNamespace
 
     from attnsurg.pipelines import steps as pipeline
-    from attnsurg.recipe import ConvertMLA, HealSettings, Recipe
-    from attnsurg.requests import ModelRef
 
-    request = ConvertMLA(model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), output=tmp_path / "out", kv_budget=0.5)
-    recipe = Recipe.from_request(request, heal=HealSettings())
+    job = mla_job(tiny_checkpoints["llama-gqa"], tmp_path / "out", 0.5, heal=True)
     operated = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
     runs = []
 
@@ -287,14 +294,15 @@ def test_under_several_processes_the_main_one_operates_and_the_others_load(tiny_
         monkeypatch.setattr(pipeline, "process_state", lambda device=None: state)
 
     as_process(main=True)
-    assert pipeline.operated_once(operate, request, recipe) is operated and runs == [1]
+    assert pipeline.operated_once(operate, job) is operated and runs == [1]
     as_process(main=False)
-    loaded = pipeline.operated_once(operate, request, recipe)
+    loaded = pipeline.operated_once(operate, job)
     assert runs == [1]  # not run again
     for (name, a), (_, b) in zip(operated.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     monkeypatch.undo()
-    assert pipeline.operated_once(operate, request, Recipe.from_request(request)) is operated and runs == [1, 1]
+    assert pipeline.operated_once(operate, mla_job(tiny_checkpoints["llama-gqa"], tmp_path / "out", 0.5)) is operated
+    assert runs == [1, 1]
 
 
 def test_two_processes_convert_once_and_heal_together(tiny_checkpoints, corpus_file, tmp_path):
@@ -325,10 +333,8 @@ def test_a_heal_run_started_again_reuses_the_operated_model(tiny_checkpoints, tm
     """The operated model is saved beside the output when healing follows; started again, the run loads it
     (healing resumes only from the same starting weights), unless the surgery step changed."""
     from attnsurg.pipelines import steps as pipeline
-    from attnsurg.recipe import ConvertMLA, HealSettings, Recipe
-    from attnsurg.requests import ModelRef
 
-    request = ConvertMLA(model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])), output=tmp_path / "out", kv_budget=0.5)
+    job = mla_job(tiny_checkpoints["llama-gqa"], tmp_path / "out", 0.5, heal=True)
     operated = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
     runs = []
 
@@ -336,12 +342,10 @@ def test_a_heal_run_started_again_reuses_the_operated_model(tiny_checkpoints, tm
         runs.append(1)
         return operated
 
-    recipe = Recipe.from_request(request, heal=HealSettings())
-    first = pipeline.operated_once(operate, request, recipe)
-    again = pipeline.operated_once(operate, request, recipe)
+    first = pipeline.operated_once(operate, job)
+    again = pipeline.operated_once(operate, job)
     assert first is operated and runs == [1] and torch.equal(again.lm_head.weight, operated.lm_head.weight)
-    other = request.model_copy(update={"kv_budget": 0.25})
-    pipeline.operated_once(operate, other, Recipe.from_request(other, heal=HealSettings()))
+    pipeline.operated_once(operate, mla_job(tiny_checkpoints["llama-gqa"], tmp_path / "out", 0.25, heal=True))
     assert runs == [1, 1]
 
 

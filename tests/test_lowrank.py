@@ -12,12 +12,8 @@ from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
 from attnsurg.linalg import cholesky_whitening
-from attnsurg.methods.lowrank import (
-    Unit,
-    allocate_ranks,
-    compress,
-    plan_lowrank,
-)
+from attnsurg.methods.lowrank import Unit, compress, plan_lowrank
+from attnsurg.methods.rank_allocation import allocate_ranks
 from attnsurg.modeling.modeling_attnsurg import LatentKVAttention, LowRankLinear
 
 from conftest import build_tiny, greedy_decode_matches_recomputation

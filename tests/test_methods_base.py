@@ -4,13 +4,13 @@ import torch
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
-from attnsurg.methods.base import COMPRESSORS, compress_method_names, compressor_for, method_of, settings_for_method
+from attnsurg.methods.base import SURGERY_METHODS, compress_method_names, method_for, method_of, settings_for_method
 from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.methods.headtensor import HeadTensorSettings
 from attnsurg.methods.loki import LokiSettings
 from attnsurg.methods.lowrank import LowRankSettings
 from attnsurg.methods.topk import TopKSettings
-from attnsurg.recipe import CompressStep
+from attnsurg.recipe import CompressStep, MLASettings
 
 from conftest import build_tiny
 
@@ -29,8 +29,9 @@ SETTINGS = [
 def test_every_compress_method_has_exactly_one_implementation():
     assert {settings.method for settings in SETTINGS} == set(compress_method_names())
     for settings in SETTINGS:
-        assert sum(method.handles(settings) for method in COMPRESSORS) == 1, settings
-    assert len({method.plan_type for method in COMPRESSORS}) == len(COMPRESSORS)
+        assert sum(method.handles(settings) for method in SURGERY_METHODS) == 1, settings
+    assert len({method.plan_type for method in SURGERY_METHODS}) == len(SURGERY_METHODS)
+    assert [method.step for method in SURGERY_METHODS if method.handles(MLASettings(kv_budget=0.5))] == ["convert"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_a_layer_operated_alone_writes_what_the_whole_model_operation_holds(sett
     """``operate_layer`` (the streamed path) and ``operate`` (the loaded one) are one operation: every tensor the
     layer writes is the operated model's, and the plan finds its method again."""
     model, family, layer_stats = tiny
-    method = compressor_for(settings)
+    method = method_for(settings)
     anatomy = inspect_config(model.config)
     operated = method.operate(model, family, layer_stats, method.plan(anatomy, settings), 32, seed=0)
     assert method_of(operated.plan) is method

@@ -13,15 +13,14 @@ from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_inputs, causal_mask, input_statistics, second_moment
 from attnsurg.cli import app
-from attnsurg.pipelines.convert import run_convert
+from attnsurg import api
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented
 from attnsurg.methods import mla
 from attnsurg.methods.mla import (
     Refinement, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
 )
-from attnsurg.recipe import ConvertMLA
-from attnsurg.requests import Calibration, ModelRef, TextData
+from attnsurg.requests import Calibration, TextData
 
 from conftest import build_tiny, with_mean_direction
 
@@ -347,16 +346,9 @@ def test_native_format_error_is_the_spread_of_its_constant_channel():
 @pytest.mark.parametrize("variant,format", [("llama-gqa", "native"), ("llama-mha", "native"), ("mistral", "native"),
                                             ("qwen2", "native"), ("qwen2", "exact"), ("qwen3", "native")])
 def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, format, tiny_checkpoints, corpus_file, tmp_path):
-    request = ConvertMLA(
-        model=ModelRef(ref=str(tiny_checkpoints[variant])),
-        output=tmp_path / "mla",
-        kv_budget=0.5,
-        format=format,
-        calibration=Calibration(data=TextData(text=corpus_file, part="calib"), tokens=512, seq_len=64),
-        eval_tokens=256,
-        eval_domains=[],
-    )
-    report = run_convert(request)
+    calibration = Calibration(data=TextData(text=corpus_file, part="calib"), tokens=512, seq_len=64)
+    report = api.convert(str(tiny_checkpoints[variant]), tmp_path / "mla", kv_budget=0.5, format=format,
+                         calibration=calibration, eval_tokens=256, eval_domains=[])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     assert model.config.first_k_dense_replace == model.config.num_hidden_layers and model.config.rope_interleave
@@ -379,7 +371,7 @@ def test_saved_checkpoint_loads_in_stock_transformers_and_matches(variant, forma
     assert metadata.pipeline_tag == "text-generation" and "mla" in metadata.tags
     assert (tmp_path / "mla" / "attnsurg_recipe.yaml").is_file()
     assert report.ppl_after is not None and report.ppl_after > 0
-    assert 0 < report.convert_seconds < report.seconds
+    assert 0 < report.operation_seconds < report.seconds
 
 
 def test_reload_equals_in_memory(tiny_checkpoints, tmp_path):
@@ -441,29 +433,16 @@ def test_output_keeps_the_source_dtype(tiny_checkpoints, corpus_file, tmp_path):
     source.save_pretrained(tmp_path / "bf16")
     (tmp_path / "bf16" / "tokenizer.json").write_bytes((tiny_checkpoints["llama-gqa"] / "tokenizer.json").read_bytes())
     (tmp_path / "bf16" / "tokenizer_config.json").write_bytes((tiny_checkpoints["llama-gqa"] / "tokenizer_config.json").read_bytes())
-    request = ConvertMLA(
-        model=ModelRef(ref=str(tmp_path / "bf16")),
-        output=tmp_path / "mla",
-        kv_budget=0.5,
-        calibration=Calibration(data=TextData(text=corpus_file, part="calib"), tokens=256, seq_len=64),
-        eval_tokens=0,
-    )
-    run_convert(request)
+    calibration = Calibration(data=TextData(text=corpus_file, part="calib"), tokens=256, seq_len=64)
+    api.convert(str(tmp_path / "bf16"), tmp_path / "mla", kv_budget=0.5, calibration=calibration, eval_tokens=0)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
     assert reloaded.dtype == torch.bfloat16
 
 
 def test_folded_checkpoint_says_so_and_reloads_with_the_folded_frequencies(tiny_checkpoints, corpus_file, tmp_path):
-    request = ConvertMLA(
-        model=ModelRef(ref=str(tiny_checkpoints["llama-gqa"])),
-        output=tmp_path / "mla",
-        kv_rank=8,
-        rope_dim=4,
-        refine_steps=0,
-        calibration=Calibration(data=TextData(text=corpus_file, part="calib"), tokens=256, seq_len=64),
-        eval_tokens=0,
-    )
-    run_convert(request)
+    calibration = Calibration(data=TextData(text=corpus_file, part="calib"), tokens=256, seq_len=64)
+    api.convert(str(tiny_checkpoints["llama-gqa"]), tmp_path / "mla", kv_rank=8, rope_dim=4, refine_steps=0,
+                calibration=calibration, eval_tokens=0)
     source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
     fold = source.config.head_dim // 4

@@ -62,10 +62,11 @@ def test_convert_stream_writes_the_checkpoint_convert_writes(tiny_checkpoints, c
     common = ["convert", str(tiny_checkpoints["qwen2"]), "--calib-text", str(corpus_file), "--calib-tokens", "512",
               "--calib-seq-len", "64", "--refine-steps", "3", "--refine-tokens", "256", "--eval-tokens", "128", "--eval-domains", "none"]
     reports = {}
-    for name, extra in (("loaded", []), ("streamed", ["--stream"])):
+    for name, extra in (("loaded", ["--no-stream"]), ("streamed", ["--stream"])):
         result = runner.invoke(app, common + extra + ["--json", "-o", str(tmp_path / name)])
         assert result.exit_code == 0, result.output
         reports[name] = json.loads(result.stdout)
+        assert reports[name]["streamed"] == (name == "streamed")
     for score in ("ppl_before", "ppl_after"):  # the streamed run scores the source and what it wrote, a module at a time
         assert reports["streamed"][score] == pytest.approx(reports["loaded"][score], rel=1e-3)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "loaded")

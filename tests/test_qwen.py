@@ -49,13 +49,13 @@ def test_top_k_attention_on_qwen_costs_little_at_a_quarter_of_the_context(qwen):
     from attnsurg.arch import inspect_config
     from attnsurg.calibrate import calibration_windows
     from attnsurg.eval.perplexity import perplexity_of, scoring_windows
-    from attnsurg.methods.base import compressor_for
+    from attnsurg.methods.base import method_for
     from attnsurg.methods.topk import TopKSettings
     from attnsurg.arch.families import family_for_surgery
 
     model, tokenizer = qwen
     settings = {top_k: TopKSettings(top_k=top_k) for top_k in (1.0, 0.25)}
-    method = compressor_for(settings[1.0])
+    method = method_for(settings[1.0])
     operated = {k: method.operate(model, family_for_surgery("qwen2"), [], method.plan(inspect_config(model.config), s),
                                   512, seed=0).model for k, s in settings.items()}
     tokens, windows = scoring_windows(tokenizer, TextData(dataset="wiki-sample", part="eval"), 1024, 512)

@@ -10,10 +10,10 @@ from typer.testing import CliRunner
 from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.recipe_file import dump_recipe, load_recipe, parse_recipe, shipped_recipes
-from attnsurg.pipelines.convert import refinement_of
-from attnsurg.methods.lowrank import LowRankSettings
-from attnsurg.recipe import MLA_CALIBRATION_TOKENS, ConvertMLA, HealSettings, Recipe, request_type
-from attnsurg.requests import Calibration, ModelRef
+from attnsurg.api import surgery_recipe
+from attnsurg.methods.mla import refinement_of
+from attnsurg.recipe import MLA_CALIBRATION_TOKENS, ConvertStep, MLASettings
+from attnsurg.requests import Calibration
 
 SHIPPED = shipped_recipes()
 REQUIRED_SHIPPED = {"mla-50", "mla-25", "svdllm-kv-latent-50", "tucker-50", "loki-r32-k25"}
@@ -120,19 +120,13 @@ def test_list_shows_the_shipped_recipes():
     assert REQUIRED_SHIPPED <= {row["name"] for row in yaml.safe_load(result.output)}
 
 
-def test_request_and_recipe_convert_both_ways():
-    request = request_type(LowRankSettings)(model=ModelRef(ref="m"), output=Path("o"), method="asvd", targets=("k", "v"),
-                                            ratio=0.5, kv_latent=True, eval_tokens=0, seed=4)
-    recipe = Recipe.from_request(request, heal=HealSettings())
-    assert recipe.request() == request and recipe.heal == HealSettings()
-
-
 def test_mla_refines_on_the_first_half_of_its_calibration_unless_told():
-    request = ConvertMLA(model=ModelRef(ref="m"), output=Path("o"))
-    assert request.calibration.tokens == MLA_CALIBRATION_TOKENS == 6144
-    assert refinement_of(request).tokens == 3072  # 6 windows of 512: one of each built-in domain
-    assert refinement_of(request.model_copy(update={"calibration": Calibration(tokens=4096)})).tokens == 2048
-    assert refinement_of(request.model_copy(update={"refine_tokens": 1024})).tokens == 1024
+    recipe = surgery_recipe("m", "o", ConvertStep(convert=MLASettings()), None, None, 0, [], 0)
+    settings = recipe.surgery
+    assert recipe.calibration.tokens == MLA_CALIBRATION_TOKENS == 6144
+    assert refinement_of(settings, recipe.calibration).tokens == 3072  # 6 windows of 512: one of each built-in domain
+    assert refinement_of(settings, Calibration(tokens=4096)).tokens == 2048
+    assert refinement_of(settings.model_copy(update={"refine_tokens": 1024}), recipe.calibration).tokens == 1024
 
 
 def test_convert_command_calibrates_on_the_mla_default(tiny_checkpoints, tmp_path):

@@ -9,7 +9,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
-from attnsurg.methods.base import compressor_for
+from attnsurg.methods.base import method_for
 from attnsurg.methods.loki import apply_loki, plan_loki
 from attnsurg.methods.topk import TopKSettings, plan_topk
 
@@ -19,7 +19,7 @@ from helpers import VOCAB, held_out, logit_error
 
 def topk_model(model, family: str, top_k):
     """``compress --method topk`` on a loaded model (it reads no calibration statistics)."""
-    method = compressor_for(TopKSettings(top_k=top_k))
+    method = method_for(TopKSettings(top_k=top_k))
     plan = method.plan(inspect_config(model.config), TopKSettings(top_k=top_k))
     return method.operate(model, family_for_surgery(family), [], plan, 64, seed=0).model
 

@@ -40,10 +40,11 @@ from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods import METHODS
+from attnsurg.methods.base import SurgeryInputs, method_for
 from attnsurg.methods.planning import PLANNED, PlanContext, PlannedMethod, ScoredText
-from attnsurg.pipelines.steps import Surgery, check_calibration, load_source, source_windows
+from attnsurg.pipelines.steps import check_calibration, load_source, source_windows
 from attnsurg.placement import on_device
-from attnsurg.recipe import ConvertMLA, Recipe, SurgeryRequest, request_type
+from attnsurg.recipe import Evaluation, Recipe, surgery_step
 from attnsurg.requests import EVAL_DOMAINS, PlanRequest, TextData
 
 
@@ -100,30 +101,24 @@ def smallest_within(budgets: tuple[float, ...], predicted: list[float], target: 
 
 
 # ------------------------------------------------------------------------------------------ conversions
-def request_at(ctx: PlanContext, settings: BaseModel, output: Path, eval_domains: list[str] | None = None) -> SurgeryRequest:
-    """The method's request at a budget, calibrated and scored as the plan is (no other domains unless given)."""
-    return request_type(type(settings))(model=ctx.request.model, output=output, calibration=ctx.request.calibration,
-                                       eval_tokens=ctx.request.eval_tokens, eval_domains=eval_domains or [],
-                                       seed=ctx.request.seed, **dict(settings))
+def recipe_at(ctx: PlanContext, settings: BaseModel, output: Path, eval_domains: list[str] | None = None) -> Recipe:
+    """The method's recipe at a budget, calibrated and scored as the plan is (no other domains unless given)."""
+    return Recipe(model=ctx.request.model, output=output, steps=[surgery_step(settings)], calibration=ctx.request.calibration,
+                  eval=Evaluation(tokens=ctx.request.eval_tokens, domains=eval_domains or []), seed=ctx.request.seed)
 
 
-def operated(ctx: PlanContext, request: SurgeryRequest) -> PreTrainedModel:
+def operated(ctx: PlanContext, settings: BaseModel) -> PreTrainedModel:
     """The method applied to the loaded source exactly as its command applies it, in memory."""
-    from attnsurg.pipelines import compress, convert
-
-    set_seed(request.seed)
-    surgery = Surgery(ctx.family, ctx.model, ctx.tokenizer, ctx.windows, time.perf_counter(), ctx.device)
-    if isinstance(request, ConvertMLA):
-        _, anatomy, plan = convert.plan_request(request)
-        return convert.operate(surgery, request, plan, convert.ConvertReport(plan, anatomy))
-    _, anatomy, plan = compress.plan_request(request)
-    return compress.operate(surgery, request, plan, anatomy, compress.CompressReport(plan, anatomy))
+    method = method_for(settings)
+    set_seed(ctx.request.seed)
+    report = method.report_type(method.plan(ctx.anatomy, settings), ctx.anatomy)
+    inputs = SurgeryInputs(ctx.family, ctx.windows, ctx.request.calibration, ctx.device, ctx.request.seed)
+    return method.operate_model(ctx.model, inputs, settings, report)
 
 
 def measured_ratios(ctx: PlanContext, method: PlannedMethod, budget: float) -> dict[str, float]:
     """The method at ``budget``, converted in memory and scored on every text: its perplexity ratio on each."""
-    request = request_at(ctx, method.settings(budget, ctx.anatomy), ctx.request.output / "unused")
-    model = operated(ctx, request)
+    model = operated(ctx, method.settings(budget, ctx.anatomy))
     return {text.name: perplexity_of(model, *text.windows, f"{method.name} at {budget:g} on {text.name}", ctx.device)
             / text.ppl_source for text in ctx.scored}
 
@@ -203,7 +198,7 @@ def method_summary(report: MethodPlanReport) -> str:
 def recipe_text(ctx: PlanContext, method: PlannedMethod, budget: float, report: MethodPlanReport) -> str:
     name = Path(ctx.request.model.ref).name or ctx.request.model.ref
     output = Path("out") / f"{name}-{method.name}-{budget:g}"
-    recipe = Recipe.from_request(request_at(ctx, method.settings(budget, ctx.anatomy), output, list(EVAL_DOMAINS)))
+    recipe = recipe_at(ctx, method.settings(budget, ctx.anatomy), output, list(EVAL_DOMAINS))
     recipe = recipe.model_copy(update={"description": f"{method.name} at budget {budget:g}, planned for a perplexity "
                                                       f"ratio within x{ctx.request.target_ratio:g}"})
     anchors = ", ".join(f"x{a.ratio:.3f} at {a.budget:g}" for a in report.anchors)

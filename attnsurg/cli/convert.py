@@ -34,9 +34,9 @@ from attnsurg.cli.common import (
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
-from attnsurg.recipe import MLA_CALIBRATION, ConvertMLA
+from attnsurg.recipe import MLA_CALIBRATION, Evaluation, MLASettings
 
-MLA = defaults_of(ConvertMLA)
+MLA = defaults_of(MLASettings)
 
 
 @app.command(epilog=examples(
@@ -113,28 +113,27 @@ def convert(
         Optional[bool], typer.Option("--stream/--no-stream", help="One source layer in memory (default: when possible).",
                                      rich_help_panel=PLAN)
     ] = MLA.stream,
-    eval_tokens: EvalTokens = MLA.eval_tokens,
+    eval_tokens: EvalTokens = Evaluation().tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
-    overwrite: Overwrite = MLA.overwrite,
-    seed: Seed = MLA.seed,
-    device: Device = MLA.device,
+    overwrite: Overwrite = False,
+    seed: Seed = 0,
+    device: Device = "auto",
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Convert GQA/MHA attention to MLA and write a new checkpoint."""
-    from attnsurg.recipe import Recipe
+    from attnsurg.api import surgery_recipe
+    from attnsurg.recipe import ConvertStep
     from attnsurg.requests import ModelRef
 
     if to != "mla":
         raise UserError(f"--to {to} is not supported; available: mla")
     if output is None and not dry_run:
         raise UserError("missing --output/-o: the directory to write the converted checkpoint to")
-    request = ConvertMLA(
-        model=ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
-        output=output or Path("OUT"),  # a dry run writes nothing
+    settings = MLASettings(
         kv_budget=kv_budget,
         kv_rank=kv_rank,
         rope_dim=rope_dim,
@@ -152,10 +151,9 @@ def convert(
         refine_schedule=refine_schedule,
         short_prompts=short_prompts,
         stream=stream,
-        calibration=calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len),
-        eval_tokens=eval_tokens,
-        eval_domains=eval_domains_from(eval_domains),
-        overwrite=overwrite,
-        seed=seed,
     )
-    execute(Recipe.from_request(request), dry_run, overwrite, print_recipe, json_output, device)
+    reference = ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    recipe = surgery_recipe(reference, output or Path("OUT"), ConvertStep(convert=settings),  # a dry run writes nothing
+                            calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len), None, eval_tokens,
+                            eval_domains_from(eval_domains), seed)
+    execute(recipe, dry_run, overwrite, print_recipe, json_output, device)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-from rich.table import Table
 from rich.text import Text
 
 from attnsurg.cli.common import out
@@ -29,56 +28,12 @@ def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_out
 
 
 def print_report(recipe, report, dry_run: bool, json_output: bool) -> None:
-    from attnsurg.pipelines.convert import ConvertReport
     from attnsurg.pipelines.run import HealRunReport
 
-    model = recipe.model.ref
-    if isinstance(report, ConvertReport):
-        print_convert_report(model, report, json_output)
-    elif isinstance(report, HealRunReport):
+    if isinstance(report, HealRunReport):
         print_heal_report(recipe, report, dry_run, json_output)
     else:
-        print_compress_report(model, report, dry_run, json_output)
-
-
-def print_convert_report(model: str, report, json_output: bool) -> None:
-    from attnsurg.pipelines.convert import plan_rows
-
-    rows = plan_rows(report.plan, report.anatomy)
-    if json_output:
-        record = {"plan": rows, "written": report.written, "seconds": report.seconds, "convert_seconds": report.convert_seconds,
-                  "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-                  "layer_errors": [e._asdict() for e in report.layer_errors], "heal": heal_record(report.heal), "domains": domains_record(report),
-                  "split": report.split.record() if report.split else None, "streamed": report.streamed}
-        print(json.dumps(record, indent=2))
-        return
-    engine = f", laid out for {report.plan.engine}" if report.plan.engine else ""
-    title = (f"MLA plan for {model}, {report.plan.format} format, {report.plan.layout} RoPE layout{engine} "
-             "(identical in every layer)")
-    table = Table(title=title, title_justify="left")
-    for column in ("layers", "latent rank", "RoPE dims", "qk nope / v dims", "KV values/token", "attention params/layer"):
-        table.add_column(column, justify="right")
-    r = rows[0]
-    table.add_row(
-        f"0-{len(rows) - 1}", f"{r['latent_rank']}" + (" + 1 norm" if r["norm_channel"] else ""), str(r["rope_dims"]), f"{r['qk_nope_dim']} / {r['v_head_dim']}",
-        f"{r['kv_values_before']} -> {r['kv_values_after']}", f"{r['attention_params_before']:,} -> {r['attention_params_after']:,}",
-    )
-    out.print(table)
-    if report.split:
-        out.print(f"split: {report.split.reason()}")
-    if report.written:
-        out.print(f"wrote {report.written} in {report.seconds:.1f} s (conversion {report.convert_seconds:.1f} s, "
-                  f"calibration included), peak memory {report.peak_memory_gb:.2f} GB{streamed_note(report)}")
-    if report.mean_layer_error:
-        before, after = report.mean_layer_error
-        out.print(f"mean relative layer error against the original residual stream: {before:.4f} -> {after:.4f} "
-                  "(refinement windows)")
-    if report.mean_held_out_error:
-        before, after = report.mean_held_out_error
-        steps = sum(e.steps for e in report.layer_errors) / len(report.layer_errors)
-        out.print(f"on held-out calibration windows: {before:.4f} -> {after:.4f} (steps kept per layer: {steps:.0f} on average)")
-    print_heal_summary(report.heal)
-    print_ppl(report)
+        print_surgery_report(recipe.model.ref, report, dry_run, json_output)
 
 
 def streamed_note(report) -> str:
@@ -89,7 +44,7 @@ def domains_record(report, first: str = "before") -> dict:
     """ppl off the calibration text per domain (``first``: what the first figure is), and the worst domain."""
     from attnsurg.pipelines.steps import worst_domain
 
-    scores = getattr(report, "domains", {})
+    scores = report.domains
     record = {name: {first: before, "after": after, "ratio": after / before} for name, (before, after) in scores.items()}
     return {"scores": record, "worst": worst_domain(scores)}
 
@@ -134,26 +89,29 @@ def print_heal_summary(heal) -> None:
               f"distillation loss {first:.4f} -> {last:.4f}")
 
 
-def print_compress_report(model: str, report, dry_run: bool, json_output: bool) -> None:
-    """The method's own figures (``CompressMethod.report_record`` / ``report_text``), then what every run has."""
+def print_surgery_report(model: str, report, dry_run: bool, json_output: bool) -> None:
+    """The method's own figures (``SurgeryMethod.report_record`` / ``report_text``), then what every run has."""
     from attnsurg.methods.base import method_of
 
     method = method_of(report.plan)
     if json_output:
-        record = method.report_record(report.plan, report.anatomy) | {
-            "written": report.written, "seconds": report.seconds, "factorize_seconds": report.factorize_seconds,
+        record = method.report_record(report) | {
+            "written": report.written, "seconds": report.seconds, method.seconds_key: report.operation_seconds,
             "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
             "heal": heal_record(report.heal), "domains": domains_record(report), "streamed": report.streamed}
         print(json.dumps(record, indent=2))
         return
-    for renderable in method.report_text(model, report.plan, report.anatomy, dry_run):
+    for renderable in method.report_text(model, report, dry_run):
         out.print(renderable)
     if report.written:
-        timed = f" ({method.timed_step} {report.factorize_seconds:.1f} s)" if method.timed_step else ""
+        timed = f" ({method.timed_step} {report.operation_seconds:.1f} s, calibration included)" if method.timed_step else ""
         out.print(f"wrote {report.written} in {report.seconds:.1f} s{timed}, peak memory {report.peak_memory_gb:.2f} GB"
                   + streamed_note(report))
+    for line in method.result_text(report):
+        out.print(line)
     print_heal_summary(report.heal)
     print_ppl(report)
+
 
 def print_heal_report(recipe, report, dry_run: bool, json_output: bool) -> None:
     settings = recipe.heal

@@ -23,6 +23,11 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def reads_lazily(path: Path) -> bool:
+    """Whether a checkpoint directory's weights are safetensors a ``CheckpointReader`` reads a tensor at a time."""
+    return (Path(path) / INDEX_FILE).is_file() or (Path(path) / SINGLE_FILE).is_file()
+
+
 class CheckpointReader:
     """The tensors of a safetensors checkpoint directory (one file, or shards with an index), by name; each read
     maps only that tensor from its file."""

@@ -1,7 +1,7 @@
 """Surgery methods: a registry of what each method is and which models it can operate on.
 
 Each method lives in its own module of this package and registers a :class:`MethodSpec` with :func:`register`
-(and a ``compress`` method its ``base.CompressMethod`` with ``base.register_compressor``); importing the package
+(and its ``base.SurgeryMethod`` with ``base.register_method``); importing the package
 imports every module.
 """
 

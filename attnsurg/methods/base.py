@@ -1,9 +1,12 @@
-"""The interface every ``compress`` method implements, and the registry ``compress`` dispatches through.
+"""The interface every surgery method implements, and the registry the one surgery pipeline dispatches through.
 
-A method owns its plan (``plan``), the whole-model operation on a loaded model (``operate``), the operation on
-one decoder layer from that layer's statistics (``operate_layer``, what ``--stream`` runs) and what its model card
-says (``card_text``). ``pipelines/compress.py`` and ``methods/compress_stream.py`` call these and nothing else of the
-method; adding a method is one module holding one subclass, registered with :func:`register_compressor`.
+A method (:class:`SurgeryMethod`) owns its settings (a recipe step and its command's options), its plan, its
+operation on a loaded model (``operate_model``) and on one decoder layer at a time (``operate_streamed``),
+its report and what its model card says. ``pipelines/surgery.py`` calls these and nothing else of the method.
+The ``compress`` methods share :class:`CompressMethod`, which runs the whole-model and the streamed operation
+from each layer's input statistics, so such a method writes its plan, its operation on one layer's
+statistics and its card text; ``convert --to mla`` (``methods/mla/method.py``) implements the interface
+itself. Adding a method is one module holding one subclass, registered with :func:`register_method`.
 """
 
 from __future__ import annotations
@@ -11,16 +14,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
-from attnsurg.calibrate import InputStatistics
-from attnsurg.methods.consumers import LayerContext
+from attnsurg.calibrate import InputStatistics, attention_layers, input_statistics
+from attnsurg.methods.consumers import PROJECTIONS, LayerContext
 from attnsurg.recipe import CompressSettings
+from attnsurg.requests import Calibration
 
 LayerStatistics = tuple[InputStatistics, InputStatistics]  # a layer's attention input and o_proj input
 Progress = Callable[..., None] | None
@@ -49,7 +54,7 @@ class LayerTensors:
 
 @dataclass
 class CardText:
-    """What a method's model card says of it; ``compress`` adds the model, the command and the calibration."""
+    """What a method's model card says of it; the pipeline adds the model, the command and the scores."""
 
     title: str  # follows the model's name: "with low-rank attention (svdllm)"
     summary: str
@@ -59,23 +64,170 @@ class CardText:
     sections: dict[str, str] = field(default_factory=dict)
 
 
-class CompressMethod(ABC):
-    """One ``compress`` method. ``names`` are the ``--method`` values it answers to; ``settings`` the class of
-    its recipe step and command-line options (a ``recipe.CompressSettings``); ``plan_type`` the class of the
-    plans it makes, by which a plan finds its method again (``method_of``)."""
+@dataclass
+class SurgeryInputs:
+    """What an operation reads besides its settings and plan: where the source's modules live, the
+    calibration windows (token ids) and the request they were cut by, the device the passes run on and the seed."""
+
+    family: Family
+    windows: torch.Tensor
+    calibration: Calibration
+    device: torch.device | None = None
+    seed: int = 0
+
+
+@dataclass
+class SurgeryReport:
+    """What a surgery run reports; a method with figures of its own extends it (``SurgeryMethod.report_type``)."""
+
+    plan: Any
+    anatomy: AttentionAnatomy
+    written: str | None = None
+    seconds: float = 0.0
+    operation_seconds: float = 0.0  # the method's own work (calibration pass included): not loading, scoring or writing
+    peak_memory_gb: float = 0.0
+    ppl_before: float | None = None
+    ppl_after: float | None = None
+    domains: dict[str, tuple[float, float]] = field(default_factory=dict)  # ppl before/after off the calibration text
+    heal: Any = None  # a heal.HealReport when the recipe heals
+    errors: list = field(default_factory=list)  # each unit's relative error, where the method measures one
+    streamed: bool = False  # the source read one decoder layer at a time
+
+
+@dataclass
+class StreamTarget:
+    """Where a streamed operation writes: the staged output directory, the output dtype, the shard size, and
+    the per-layer checkpoints a stopped run resumes from (``io.resume.LayerCheckpoints``)."""
+
+    directory: Path
+    dtype: torch.dtype
+    max_shard_size: int | str
+    checkpoints: Any = None
+
+
+class SurgeryMethod(ABC):
+    """One surgery method. ``names`` are the values its recipe step answers to (``--method``, or ``--to``);
+    ``settings`` the class of its step and options; ``plan_type`` the class of the plans it makes, by which a
+    plan finds its method again (``method_of``); ``step`` the recipe step and command it runs under."""
 
     names: ClassVar[tuple[str, ...]]
-    settings: ClassVar[type[CompressSettings]]
+    settings: ClassVar[type]
     plan_type: ClassVar[type]
+    step: ClassVar[str]  # "convert" or "compress"
+    report_type: ClassVar[type[SurgeryReport]] = SurgeryReport
     timed_step: ClassVar[str | None] = None  # what the report's seconds of the operation are called
+    seconds_key: ClassVar[str] = "operation_seconds"  # the same in the ``--json`` record
 
     def handles(self, settings) -> bool:
-        """Whether this method runs these settings (``LowRankSettings``, ``HeadTensorSettings``, ...)."""
-        return settings.method in self.names
+        """Whether this method runs these settings."""
+        return isinstance(settings, self.settings) and self.name_of(settings) in self.names
+
+    def name_of(self, settings) -> str:
+        return settings.method
 
     @abstractmethod
     def plan(self, anatomy: AttentionAnatomy, settings) -> Any:
         """The plan for ``anatomy``, or a ``UserError`` saying why the settings do not fit the model."""
+
+    def check_calibration(self, settings, calibration: Calibration) -> None:
+        """Refuse a calibration request these settings cannot use (before any weights load)."""
+
+    def stream_refusal(self, settings, plan) -> str | None:
+        """Why this run cannot read the source one layer at a time, or None."""
+        return None
+
+    @abstractmethod
+    def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings, report: SurgeryReport,
+                      progress: Progress = None) -> PreTrainedModel:
+        """Every layer of the loaded source (float32, on the CPU); the result, the report filled with the plan
+        as made (ranks chosen on data) and the method's figures."""
+
+    @abstractmethod
+    def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings,
+                         report: SurgeryReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:
+        """The same surgery with one source decoder layer in memory at a time (``reader``: an
+        ``io.lazy.CheckpointReader``), written into ``target``; the written model's config."""
+
+    @abstractmethod
+    def card_text(self, settings, report: SurgeryReport, calibration: Calibration, healing: str) -> CardText:
+        """What the checkpoint's card says of the surgery (``healing``: the card's word on it)."""
+
+    @abstractmethod
+    def report_record(self, report: SurgeryReport) -> dict:
+        """The method's figures in the command's ``--json`` record (the run's own follow them)."""
+
+    @abstractmethod
+    def report_text(self, model: str, report: SurgeryReport, dry_run: bool) -> list:
+        """What the command prints of the plan (strings or rich renderables), before what every run prints."""
+
+    def result_text(self, report: SurgeryReport) -> list:
+        """What the command prints after the line saying where the result was written."""
+        return []
+
+    def progress_label(self, settings) -> str:
+        return f"Operating ({self.name_of(settings)})"
+
+    def extra_files(self) -> dict[str, str]:
+        """Files written beside the checkpoint (the modeling code a replaced attention loads with)."""
+        return {}
+
+
+class CompressMethod(SurgeryMethod):
+    """A ``compress`` method: it operates on each layer from its attention-input and o_proj-input statistics
+    (``operate`` on a loaded model, ``operate_layer`` on one layer, what streaming runs), and its checkpoint
+    loads with attnsurg's modeling file."""
+
+    settings: ClassVar[type[CompressSettings]]
+    step: ClassVar[str] = "compress"
+    seconds_key: ClassVar[str] = "factorize_seconds"
+
+    def progress_label(self, settings) -> str:
+        return f"Factorizing ({settings.method})"
+
+    def extra_files(self) -> dict[str, str]:
+        from attnsurg.modeling import MODELING_FILE
+
+        return {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
+
+    def stream_refusal(self, settings, plan) -> str | None:
+        return self.plan_stream_refusal(plan)
+
+    def plan_stream_refusal(self, plan) -> str | None:
+        """Why this plan cannot run one layer at a time, or None."""
+        return None
+
+    def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings, report: SurgeryReport,
+                      progress: Progress = None) -> PreTrainedModel:
+        attentions = attention_layers(source, inputs.family)
+        stats = input_statistics(source, attentions + [getattr(a, PROJECTIONS["o"]) for a in attentions],
+                                 inputs.windows, device=inputs.device)
+        layer_stats = list(zip(stats[: len(attentions)], stats[len(attentions) :], strict=True))
+        result = self.operate(source, inputs.family, layer_stats, report.plan, inputs.windows.shape[1], inputs.seed,
+                              progress)
+        report.plan, report.errors = result.plan, result.errors
+        return result.model
+
+    def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings,
+                         report: SurgeryReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:
+        from attnsurg.methods.compress_stream import compress_streamed
+
+        written, report.errors = compress_streamed(
+            reader, source_config, inputs.family, inputs.windows, report.plan, target.directory, target.dtype,
+            target.max_shard_size, progress, inputs.device, target.checkpoints, inputs.seed)
+        return written
+
+    def card_text(self, settings, report: SurgeryReport, calibration: Calibration, healing: str) -> CardText:
+        text = self.plan_card_text(settings, report.plan, report.anatomy)
+        text.details = text.details + [
+            f"calibration: {calibration.tokens} tokens of the calibration part of {calibration.data.described()}, "
+            f"windows of {calibration.seq_len}; {healing}"]
+        return text
+
+    def report_record(self, report: SurgeryReport) -> dict:
+        return self.plan_record(report.plan, report.anatomy)
+
+    def report_text(self, model: str, report: SurgeryReport, dry_run: bool) -> list:
+        return self.plan_text(model, report.plan, report.anatomy, dry_run)
 
     @abstractmethod
     def operate(self, model: PreTrainedModel, family: Family, statistics: list[LayerStatistics], plan,
@@ -87,15 +239,15 @@ class CompressMethod(ABC):
         """Layer ``index`` alone, from its statistics, as ``operate`` does it."""
 
     @abstractmethod
-    def card_text(self, settings, plan, anatomy: AttentionAnatomy) -> CardText:
+    def plan_card_text(self, settings, plan, anatomy: AttentionAnatomy) -> CardText:
         """The card's title, summary, details and figures for this plan (after the operation)."""
 
     @abstractmethod
-    def report_record(self, plan, anatomy: AttentionAnatomy) -> dict:
+    def plan_record(self, plan, anatomy: AttentionAnatomy) -> dict:
         """The plan's figures in the command's ``--json`` record (the run's own follow them)."""
 
     @abstractmethod
-    def report_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+    def plan_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
         """What the command prints of the plan (strings or rich renderables), before what every run prints."""
 
     def surgery(self, plan, family: Family) -> dict:
@@ -105,10 +257,6 @@ class CompressMethod(ABC):
     def planned_surgery(self, plan, family: Family) -> dict:
         """The record a streamed run plans the output's tensors by, before any layer is done."""
         return self.surgery(plan, family)
-
-    def stream_refusal(self, plan) -> str | None:
-        """Why this plan cannot run one layer at a time, or None."""
-        return None
 
     def shapes_known_late(self, plan) -> bool:
         """Whether the factors' shapes are chosen on data, so a streamed run learns them only per layer."""
@@ -122,31 +270,35 @@ class CompressMethod(ABC):
         """Warn about fits stopped at their iteration cap (``total`` fits were made)."""
 
 
-COMPRESSORS: list[CompressMethod] = []
+SURGERY_METHODS: list[SurgeryMethod] = []
 
 
-def register_compressor(method: CompressMethod) -> CompressMethod:
-    if any(set(method.names) & set(known.names) and method.plan_type is known.plan_type for known in COMPRESSORS):
-        raise ValueError(f"compress method {method.names} registered twice")
-    COMPRESSORS.append(method)
+def register_method(method: SurgeryMethod) -> SurgeryMethod:
+    if any(method.plan_type is known.plan_type for known in SURGERY_METHODS):
+        raise ValueError(f"{method.step} method {method.names} registered twice")
+    SURGERY_METHODS.append(method)
     return method
+
+
+def compress_methods() -> list[CompressMethod]:
+    return [method for method in SURGERY_METHODS if isinstance(method, CompressMethod)]
 
 
 def compress_method_names() -> list[str]:
     """Every ``--method`` value, in the order the methods registered."""
-    return list(dict.fromkeys(name for method in COMPRESSORS for name in method.names))
+    return list(dict.fromkeys(name for method in compress_methods() for name in method.names))
 
 
 def settings_for_method(name: str) -> type[CompressSettings] | None:
-    """The settings class of the method named ``name``, or None when no method answers to it."""
-    return next((method.settings for method in COMPRESSORS if name in method.names), None)
+    """The settings class of the compress method named ``name``, or None when no method answers to it."""
+    return next((method.settings for method in compress_methods() if name in method.names), None)
 
 
-def compressor_for(settings) -> CompressMethod:
-    """The method that runs these settings (a request or a recipe's compress step)."""
-    return next(method for method in COMPRESSORS if method.handles(settings))
+def method_for(settings) -> SurgeryMethod:
+    """The method that runs these settings (a recipe's surgery step)."""
+    return next(method for method in SURGERY_METHODS if method.handles(settings))
 
 
-def method_of(plan) -> CompressMethod:
+def method_of(plan) -> SurgeryMethod:
     """The method that made this plan."""
-    return next(method for method in COMPRESSORS if type(plan) is method.plan_type)
+    return next(method for method in SURGERY_METHODS if type(plan) is method.plan_type)

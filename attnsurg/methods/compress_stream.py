@@ -55,7 +55,7 @@ def compress_streamed(
     rank). ``checkpoints``: a checkpoint after every layer, and the run resumes from the last one they hold
     (``io.resume``)."""
     method = method_of(plan)
-    if refusal := method.stream_refusal(plan):
+    if refusal := method.plan_stream_refusal(plan):
         raise ValueError(refusal)
     config = written_config(source_config, method.planned_surgery(plan, family), dtype)
     planned = planned_tensors(CLASSES[source_config.model_type][1], config, dtype)

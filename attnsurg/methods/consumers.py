@@ -18,6 +18,8 @@ from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.linalg import augmented
 
+PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}  # a unit's name -> its module in the attention
+
 
 def distance_offsets(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Query-key distances 0..length-1 in a causal window and how many pairs have each."""

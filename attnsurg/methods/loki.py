@@ -26,7 +26,7 @@ from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics, captured_inputs
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
-from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_method
 from attnsurg.methods.factorized import assemble_factorized
 from attnsurg.methods.consumers import LayerContext, attention_moments, layer_inv_freq, rotation_average
 from attnsurg.methods.lowrank import unsupported_reason
@@ -240,11 +240,11 @@ class Loki(CompressMethod):
         plan.ranks = list(records)
         return []
 
-    def report_record(self, plan: LokiPlan, anatomy: AttentionAnatomy) -> dict:
+    def plan_record(self, plan: LokiPlan, anatomy: AttentionAnatomy) -> dict:
         return {"rank": plan.rank, "ranks": plan.layer_ranks(), "variance": plan.variance, "top_k": plan.top_k,
                 "basis": plan.basis}
 
-    def report_text(self, model: str, plan: LokiPlan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+    def plan_text(self, model: str, plan: LokiPlan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
         top_k = f"{plan.top_k:g} of the context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
         if plan.rank is not None:
             scoring = f"{plan.rank} of {plan.head_dim} principal coordinates"
@@ -255,7 +255,7 @@ class Loki(CompressMethod):
         return [f"loki plan for {model}: every layer scores keys with {scoring} ({plan.basis} basis) and attends "
                 f"over the top {top_k}"]
 
-    def card_text(self, settings, plan: LokiPlan, anatomy: AttentionAnatomy) -> CardText:
+    def plan_card_text(self, settings, plan: LokiPlan, anatomy: AttentionAnatomy) -> CardText:
         top_k = f"{plan.top_k:g} of each query's context" if isinstance(plan.top_k, float) else f"{plan.top_k} keys"
         kv_bytes = f"{anatomy.kv_bytes_per_token('bfloat16'):,}"
         return CardText(
@@ -270,7 +270,7 @@ class Loki(CompressMethod):
         )
 
 
-register_compressor(Loki())
+register_method(Loki())
 
 
 # ------------------------------------------------------------------------------------- analyze plan

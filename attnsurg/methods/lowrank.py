@@ -38,15 +38,14 @@ from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
 from attnsurg.methods import MethodSpec, asvd, register, svd, svdllm
-from attnsurg.methods.consumers import LayerContext, layer_contexts
-from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
+from attnsurg.methods.consumers import PROJECTIONS, LayerContext, layer_contexts
+from attnsurg.methods.rank_allocation import allocated_ranks
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_method
 from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
 from attnsurg.methods.planning import PlanContext, PlannedMethod, Proxy, register_planned
 from attnsurg.recipe import CompressSettings
 
-PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 METRICS = {module.NAME: module for module in (svd, asvd, svdllm)}
-ALLOCATION_FLOOR = 0.75
 
 
 def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
@@ -336,41 +335,6 @@ def decompose(unit: Unit, ctx: LayerContext, method: str, weighted: bool) -> Dec
     return Decomposition(U, S, Vh, R_inv, L_inv_T, bias)
 
 
-def allocate_ranks(units: list[Unit], spectra: list[torch.Tensor], budget: int, floors: list[int]) -> list[int]:
-    """Greedy water-filling: every unit starts at its floor rank, then singular directions are taken in order
-    of relative energy per unit of cost until the budget (in cost units) is spent. Ranks stay below the
-    break-even rank (latents: the full rank)."""
-    ranks = list(floors)
-    remaining = budget - sum(r * u.rank_cost for r, u in zip(floors, units))
-    gains, owners, costs = [], [], []
-    for i, (unit, s) in enumerate(zip(units, spectra)):
-        cap = min(len(s), unit.full_rank if unit.name == "kv" else max(1, unit.break_even - 1))
-        energy = s.pow(2) / s.pow(2).sum().clamp_min(1e-300)
-        candidates = energy[floors[i] : cap]
-        gains.append(candidates / unit.rank_cost)
-        owners.append(torch.full((len(candidates),), i))
-        costs.append(torch.full((len(candidates),), unit.rank_cost))
-    gains, owners, costs = torch.cat(gains), torch.cat(owners), torch.cat(costs)
-    order = gains.argsort(descending=True)
-    taken = order[costs[order].cumsum(0) <= remaining]
-    for i in owners[taken].tolist():
-        ranks[i] += 1
-    return ranks
-
-
-def allocated_ranks(units: list[Unit], spectra: list[torch.Tensor], uniform: list[int | None]) -> list[int]:
-    """``--allocate``: the uniform ranks' total cost (parameters; cached values for latents) spread over the
-    units by their spectra."""
-    budget = sum(u.params(r) if u.name != "kv" else r for u, r in zip(units, uniform))
-    return allocate_ranks(units, spectra, budget, allocation_floors(units, uniform))
-
-
-def allocation_floors(units: list[Unit], uniform: list[int | None]) -> list[int]:
-    """No unit below ALLOCATION_FLOOR of its uniform rank: relative energy does not see how much the loss
-    depends on each layer, and starving a few layers entirely was measured to cost more than it saves."""
-    return [max(1, int(ALLOCATION_FLOOR * (r if r is not None else u.break_even))) for u, r in zip(units, uniform)]
-
-
 # --- assembly ---------------------------------------------------------------------------------------------
 
 
@@ -456,16 +420,16 @@ class LowRank(CompressMethod):
             tensors.records.append(decomposition.relative_error(rank))
         return tensors
 
-    def stream_refusal(self, plan: LowRankPlan) -> str | None:
+    def plan_stream_refusal(self, plan: LowRankPlan) -> str | None:
         return "allocated ranks need every layer's spectrum first; stream with uniform ranks" if plan.allocate else None
 
-    def report_record(self, plan, anatomy: AttentionAnatomy) -> dict:
+    def plan_record(self, plan, anatomy: AttentionAnatomy) -> dict:
         return factorized_record(plan, anatomy)
 
-    def report_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+    def plan_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
         return factorized_text(model, plan, anatomy, dry_run)
 
-    def card_text(self, settings, plan: LowRankPlan, anatomy: AttentionAnatomy) -> CardText:
+    def plan_card_text(self, settings, plan: LowRankPlan, anatomy: AttentionAnatomy) -> CardText:
         budget = f"ratio {settings.ratio}" if settings.ratio is not None else f"rank {settings.rank}"
         kind = "fraction of the KV cache kept" if plan.kv_latent else "fraction of the targeted parameters kept"
         spread = "allocated over layers by truncation energy" if plan.allocate else "uniform ranks"
@@ -480,7 +444,7 @@ class LowRank(CompressMethod):
                                     kv_note=kv_note)
 
 
-register_compressor(LowRank())
+register_method(LowRank())
 
 
 # ------------------------------------------------------------------------------------- analyze plan

@@ -39,9 +39,10 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
-from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_method
 from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
-from attnsurg.methods.headtensor import HeadTensorSettings, budget_line, diagonal_blocks, warn_unconverged
+from attnsurg.methods.head_whitening import diagonal_blocks
+from attnsurg.methods.headtensor import HeadTensorSettings, budget_line, warn_unconverged
 from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.methods.lowrank import unsupported_reason
 
@@ -451,7 +452,7 @@ class StackedTucker(CompressMethod):
     timed_step = "factorization"
 
     def handles(self, settings) -> bool:
-        return settings.method == "tucker" and getattr(settings, "stacked", False)
+        return super().handles(settings) and settings.stacked
 
     def plan(self, anatomy: AttentionAnatomy, settings) -> StackedTuckerPlan:
         return plan_stacked_tucker(anatomy, settings.targets, settings.ratio, settings.ranks, settings.weighted)
@@ -478,13 +479,13 @@ class StackedTucker(CompressMethod):
     def warn_capped(self, plan: StackedTuckerPlan, unconverged: list[tuple[str, float]], total: int) -> None:
         warn_unconverged(unconverged, total, "stacked Tucker fits", f"{MAX_ITERATIONS} sweeps", TOLERANCE)
 
-    def report_record(self, plan, anatomy: AttentionAnatomy) -> dict:
+    def plan_record(self, plan, anatomy: AttentionAnatomy) -> dict:
         return factorized_record(plan, anatomy)
 
-    def report_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+    def plan_text(self, model: str, plan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
         return factorized_text(model, plan, anatomy, dry_run)
 
-    def card_text(self, settings, plan: StackedTuckerPlan, anatomy: AttentionAnatomy) -> CardText:
+    def plan_card_text(self, settings, plan: StackedTuckerPlan, anatomy: AttentionAnatomy) -> CardText:
         kv_note = (" Where a layer's hidden rank is below the K and V width, its cache holds the shared hidden "
                    "coordinates x A (rebuilt to K and V at every step, RoPE applied after)."
                    if plan.kv_values_after() < anatomy.kv_values_per_token else "")
@@ -495,4 +496,4 @@ class StackedTucker(CompressMethod):
             kv_note=kv_note, rank_note=RANK_NOTE)
 
 
-register_compressor(StackedTucker())
+register_method(StackedTucker())

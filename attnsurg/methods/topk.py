@@ -20,7 +20,7 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
-from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_compressor
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_method
 from attnsurg.methods.consumers import LayerContext
 from attnsurg.methods.factorized import assemble_factorized
 from attnsurg.methods.loki import top_k_of
@@ -99,13 +99,13 @@ class TopK(CompressMethod):
     def apply_records(self, plan: TopKPlan, records: list) -> list[float]:
         return []
 
-    def report_record(self, plan: TopKPlan, anatomy: AttentionAnatomy) -> dict:
+    def plan_record(self, plan: TopKPlan, anatomy: AttentionAnatomy) -> dict:
         return {"top_k": plan.top_k}
 
-    def report_text(self, model: str, plan: TopKPlan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
+    def plan_text(self, model: str, plan: TopKPlan, anatomy: AttentionAnatomy, dry_run: bool) -> list:
         return [f"topk plan for {model}: every layer attends over the top {plan.top_k_label()}, by exact scores"]
 
-    def card_text(self, settings: TopKSettings, plan: TopKPlan, anatomy: AttentionAnatomy) -> CardText:
+    def plan_card_text(self, settings: TopKSettings, plan: TopKPlan, anatomy: AttentionAnatomy) -> CardText:
         kv_bytes = f"{anatomy.kv_bytes_per_token('bfloat16'):,}"
         return CardText(
             title=f"with top-k attention (top-k {plan.top_k_label()})",
@@ -118,4 +118,4 @@ class TopK(CompressMethod):
         )
 
 
-register_compressor(TopK())
+register_method(TopK())

@@ -33,7 +33,9 @@ from attnsurg.pipelines.steps import (
     score_domains,
     to_source_dtype,
 )
-from attnsurg.recipe import MLASettings, Recipe
+from attnsurg.pipelines.job import Job
+from attnsurg.pipelines.surgery import run_surgery
+from attnsurg.recipe import Recipe
 from attnsurg.requests import ModelRef
 
 
@@ -54,17 +56,9 @@ def run_recipe(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, d
     if state.num_processes > 1 and recipe.heal is None:
         raise UserError("several processes (accelerate launch, torchrun) share healing only, and this recipe has no "
                         "heal step: run it as one process")
-    settings = recipe.surgery
-    if settings is None:
+    if recipe.surgery is None:
         return run_heal(recipe, dry_run, overwrite, device)
-    request = recipe.request(overwrite, device)
-    if isinstance(settings, MLASettings):
-        from attnsurg.pipelines.convert import run_convert
-
-        return run_convert(request, dry_run, recipe)
-    from attnsurg.pipelines.compress import run_compress
-
-    return run_compress(request, dry_run, recipe)
+    return run_surgery(Job(recipe, overwrite, device), dry_run)
 
 
 @dataclass

@@ -18,18 +18,18 @@ from attnsurg.arch.anatomy import AttentionAnatomy, meta_model
 from attnsurg.arch.families import LLAMA_LIKE_LAYERS, Family, family_for_surgery
 from attnsurg.arch.unfuse import UNFUSED_AS, unfused_model
 from attnsurg.calibrate import calibration_windows
-from attnsurg.data import parse_datasets, read_text_file
+from attnsurg.data import read_text_file
 from attnsurg.eval.perplexity import Tokens, perplexity_of, scoring_windows
 from attnsurg.eval.windows import Window
 from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
-from attnsurg.io.lazy import offloaded_model, require_finite
+from attnsurg.io.lazy import offloaded_model, reads_lazily, require_finite
 from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_device
 from attnsurg.io.save import check_output_path, finish_staging, write_checkpoint
 from attnsurg.modeling import register as register_attnsurg
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
 from attnsurg.errors import UserError
-from attnsurg.recipe import Recipe
+from attnsurg.pipelines.job import Job
 from attnsurg.requests import Calibration, ModelRef, TextData
 
 
@@ -80,14 +80,6 @@ def scored_text(calibration: TextData) -> TextData:
     """The text whose eval part is scored first, as "the calibration text": the calibration text itself, or the
     first of several calibration datasets."""
     return calibration.scored()
-
-
-def described_data(data: TextData) -> str:
-    """The calibration data in words: a file, a dataset, or several datasets taking windows in turn."""
-    if data.text is not None:
-        return str(data.text)
-    names = parse_datasets(data.dataset)
-    return names[0] if len(names) == 1 else f"{', '.join(names)} (windows in turn)"
 
 
 def domain_texts(calibration: TextData, domains: list[str], eval_tokens: int) -> list[TextData]:
@@ -229,27 +221,27 @@ class Surgery:
     device: torch.device
 
 
-def start_surgery(request, source, anatomy: AttentionAnatomy, load_weights: bool = True) -> Surgery:
+def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: bool = True) -> Surgery:
     """Refuse an existing output first (nothing is loaded for a request that cannot be written), seed, load
     the source (without ``load_weights``: its tokenizer only, for a streamed surgery) and cut the calibration
     windows."""
-    check_output_path(request.output, request.overwrite)
-    device = surgery_device(request.device, anatomy) if load_weights else resolve_device(request.device)
-    fetch_domains(domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens))
-    set_seed(request.seed)
+    check_output_path(job.output, job.overwrite)
+    device = surgery_device(job.device, anatomy) if load_weights else resolve_device(job.device)
+    fetch_domains(domain_texts(job.calibration.data, job.eval_domains, job.eval_tokens))
+    set_seed(job.seed)
     started = time.perf_counter()
     family = family_for_surgery(anatomy.model_type)
-    tokenizer = load_tokenizer(source, request.model.trust_remote_code)
-    windows = source_windows(tokenizer, request.calibration, anatomy)  # a text too short fails before the weights load
-    model = load_source_model(request.model, source) if load_weights else None
+    tokenizer = load_tokenizer(source, job.model.trust_remote_code)
+    windows = source_windows(tokenizer, job.calibration, anatomy)  # a text too short fails before the weights load
+    model = load_source_model(job.model, source) if load_weights else None
     return Surgery(family, model, tokenizer, windows, started, device)
 
 
-def stream_refusal(request, source, anatomy: AttentionAnatomy, recipe: Recipe) -> str | None:
+def stream_refusal(job: Job, source, anatomy: AttentionAnatomy) -> str | None:
     """Why this run cannot read the source one decoder layer at a time, or None: healing holds the whole model,
     layers of mixed types or fused projections need a whole-model load, and the layers are read from a local
     safetensors directory."""
-    if recipe.heal is not None:
+    if job.recipe.heal is not None:
         return "healing needs the whole model in memory; run with stream: false, or heal afterwards with `attnsurg heal`"
     if anatomy.model_type not in LLAMA_LIKE_LAYERS:
         return (f"--stream runs each layer with one RoPE and a causal mask, and {anatomy.model_type} mixes layer types; "
@@ -258,24 +250,27 @@ def stream_refusal(request, source, anatomy: AttentionAnatomy, recipe: Recipe) -
         return (f"--stream reads layers as stored, and {anatomy.model_type}'s fused projections are split only on a "
                 "whole-model load; drop --stream")
     if source.kind not in ("dir", "builtin"):
-        return (f"--stream reads a local safetensors checkpoint directory, and '{request.model.ref}' is a {source.kind} "
+        return (f"--stream reads a local safetensors checkpoint directory, and '{job.model.ref}' is a {source.kind} "
                 "source; convert it to a directory first, or drop --stream")
+    if not reads_lazily(Path(source.path)):
+        return (f"--stream reads safetensors weights a tensor at a time, and '{job.model.ref}' has none (pickle "
+                "weights); drop --stream")
     return None
 
 
-def streams(request, refusal: str | None) -> bool:
+def streams(asked: bool | None, refusal: str | None) -> bool:
     """Whether the run reads the source a layer at a time: as asked (``stream: true`` refused with the reason it
-    cannot), or by default whenever it can, so memory holds one layer of the source, not the whole model."""
-    if request.stream and refusal:
+    cannot), or by default (``None``) whenever it can, so memory holds one layer of the source, not the whole model."""
+    if asked and refusal:
         raise UserError(refusal)
-    return refusal is None if request.stream is None else request.stream
+    return refusal is None if asked is None else asked
 
 
-def start_streamed(request, source, anatomy: AttentionAnatomy) -> tuple[Surgery, PretrainedConfig, torch.dtype]:
+def start_streamed(job: Job, source, anatomy: AttentionAnatomy) -> tuple[Surgery, PretrainedConfig, torch.dtype]:
     """A surgery that reads the source one decoder layer at a time (``streams``): its tokenizer and windows, the
     source's config and the dtype the output is written in (the source's)."""
-    surgery = start_surgery(request, source, anatomy, load_weights=False)
-    config = load_config(source, request.model.trust_remote_code)
+    surgery = start_surgery(job, source, anatomy, load_weights=False)
+    config = load_config(source, job.model.trust_remote_code)
     return surgery, config, DTYPES.get(str(config.dtype or "float32").removeprefix("torch."), torch.float32)
 
 
@@ -287,13 +282,14 @@ def generation_config(source_path: str, config) -> GenerationConfig:
         return GenerationConfig.from_model_config(config)
 
 
-def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: Surgery, request, report,
-                    card: Callable[[], CardInfo], recipe: Recipe, extra_files: dict[str, str] | None = None) -> None:
+def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: Surgery, job: Job, report,
+                    card: Callable[[], CardInfo], extra_files: dict[str, str] | None = None) -> None:
     """Config, generation settings, tokenizer, card and recipe beside the streamed shards; the source and the
     staged output scored before and after on the same windows, each read a module at a time."""
     written.save_pretrained(staging)
     generation_config(source.path, written).save_pretrained(staging)
-    texts = scored_texts(surgery.tokenizer, request, report.anatomy)
+    recipe = job.recipe
+    texts = scored_texts(surgery.tokenizer, job, report.anatomy)
     if texts:
         before = perplexities(offloaded_model(Path(source.path), surgery.device), texts, "the source")
         after = perplexities(offloaded_model(staging, surgery.device), texts, "the result")
@@ -306,7 +302,7 @@ def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: S
     trust = recipe.model.trust_remote_code
     info.figures[:0] = parameter_rows(meta_model(load_config(source, trust), trust), meta_model(written, trust),
                                       surgery.family.attention_attr)  # counted on the meta device: nothing allocated
-    add_score_rows(info, request, report)
+    add_score_rows(info, job, report)
     info.details.append("written one decoder layer at a time (`--stream`)"
                         + ("; scored with one module of each model in memory at a time" if texts else ""))
     finish_staging(staging, surgery.tokenizer, info, {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})})
@@ -315,14 +311,14 @@ def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: S
 ScoredText = tuple[str, Tokens, list[Window]]  # a text's name, its tokens and the windows scored
 
 
-def scored_texts(tokenizer, request, anatomy: AttentionAnatomy) -> list[ScoredText]:
+def scored_texts(tokenizer, job: Job, anatomy: AttentionAnatomy) -> list[ScoredText]:
     """The windows every before/after score uses: the calibration text's eval part first, then each domain's
     (none without eval tokens, or on a process that does not score)."""
-    if not request.eval_tokens or not is_main_process():
+    if not job.eval_tokens or not is_main_process():
         return []
-    first = scored_text(request.calibration.data)
-    texts = [first, *domain_texts(request.calibration.data, request.eval_domains, request.eval_tokens)]
-    return [(data.dataset or str(data.text), *scoring_windows(tokenizer, data, request.eval_tokens, anatomy.max_positions))
+    first = scored_text(job.calibration.data)
+    texts = [first, *domain_texts(job.calibration.data, job.eval_domains, job.eval_tokens)]
+    return [(data.dataset or str(data.text), *scoring_windows(tokenizer, data, job.eval_tokens, anatomy.max_positions))
             for data in texts]
 
 
@@ -337,13 +333,13 @@ def record_scores(report, texts: list[ScoredText], before: list[float], after: l
     report.domains = {name: (b, a) for (name, _, _), b, a in zip(texts[1:], before[1:], after[1:], strict=True)}
 
 
-def add_score_rows(info: CardInfo, request, report) -> None:
+def add_score_rows(info: CardInfo, job: Job, report) -> None:
     """The card's perplexity rows: the calibration text's, then each domain's."""
     if report.ppl_before is None:
         return
-    info.figures.append(perplexity_row(scored_text(request.calibration.data), request.eval_tokens, report.ppl_before,
+    info.figures.append(perplexity_row(scored_text(job.calibration.data), job.eval_tokens, report.ppl_before,
                                        report.ppl_after, f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))
-    info.figures.extend(domain_rows(report.domains, request.eval_tokens))
+    info.figures.extend(domain_rows(report.domains, job.eval_tokens))
 
 
 OPERATED_DIR = "operated"  # inside the heal state directory: the surgery's result, kept until healing is written
@@ -351,17 +347,17 @@ OPERATED_DONE, OPERATED_FAILED = "operated.done", "operated.failed"
 WAIT_POLL_SECONDS = 2.0
 
 
-def operated_once(operate: Callable[[], PreTrainedModel], request, recipe: Recipe | None) -> PreTrainedModel:
+def operated_once(operate: Callable[[], PreTrainedModel], job: Job) -> PreTrainedModel:
     """The surgery's result, computed once per run that heals. With a heal step the result is saved beside
     the output (``OUT.heal-state/operated``, float32, with the recipe that made it): a heal run started again
     loads it instead of operating again (a GPU's refinement is not bit-reproducible, and healing resumes only
     from the same starting weights), and under ``accelerate launch`` only the main process operates while the
     others wait for its marker file (not a collective barrier, which times out within a long surgery)."""
-    state = process_state(resolve_device(request.device))
-    recipe = recipe or Recipe.from_request(request)
+    state = process_state(resolve_device(job.device))
+    recipe = job.recipe
     if recipe.heal is None:
         return operate()
-    shared = heal_state_dir(request.output) / OPERATED_DIR
+    shared = heal_state_dir(job.output) / OPERATED_DIR
     made_by = dump_recipe(recipe.model_copy(update={"steps": recipe.steps[:1]}))
     if state.is_main_process:
         model = saved_operated(shared, made_by)
@@ -400,18 +396,18 @@ def saved_operated(shared: Path, made_by: str, require_done: bool = False) -> Pr
 
 
 def finish_surgery(
-    surgery: Surgery, result: PreTrainedModel, request, anatomy: AttentionAnatomy, report,
-    card: Callable[[], CardInfo], extra_files: dict[str, str] | None = None, recipe: Recipe | None = None,
+    surgery: Surgery, result: PreTrainedModel, job: Job, anatomy: AttentionAnatomy, report,
+    card: Callable[[], CardInfo], extra_files: dict[str, str] | None = None,
 ) -> None:
     """Heal if the recipe says so, score before/after on the same windows, cast to the source dtype, fill
     the report's timing and write the checkpoint with its card and the recipe that made it."""
-    recipe = recipe or Recipe.from_request(request)
-    texts = scored_texts(surgery.tokenizer, request, anatomy)  # one set of windows scores the source, the result and the healed one
+    recipe = job.recipe
+    texts = scored_texts(surgery.tokenizer, job, anatomy)  # one set of windows scores the source, the result and the healed one
     if recipe.heal is not None:
         before_healing = (perplexity_of(result, *texts[0][1:], "the result before healing", surgery.device)
                           if texts else None)
-        report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, request.seed,
-                                 heal_state_dir(request.output), device=surgery.device)
+        report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, job.seed,
+                                 heal_state_dir(job.output), device=surgery.device)
         report.heal.ppl_start = before_healing
         if not is_main_process():  # under `accelerate launch`, one process scores and writes
             return
@@ -423,17 +419,17 @@ def finish_surgery(
     report.peak_memory_gb = peak_memory_gb()
     files = {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})}
     info = card()
-    info.license = info.license or source_license(request.model.ref)
+    info.license = info.license or source_license(job.model.ref)
     info.remote_code = bool(getattr(result.config, "auto_map", None))
-    if note := source_note(request.model.ref):
+    if note := source_note(job.model.ref):
         info.details.insert(0, note)
     info.figures[:0] = parameter_rows(surgery.model, result, surgery.family.attention_attr)
-    add_score_rows(info, request, report)
-    if getattr(report, "heal", None) is not None:
+    add_score_rows(info, job, report)
+    if report.heal is not None:
         add_healing(info, report.heal, recipe.heal, report.ppl_before)
-    report.written = str(write_checkpoint(result, surgery.tokenizer, request.output, info, request.overwrite, extra_files=files))
+    report.written = str(write_checkpoint(result, surgery.tokenizer, job.output, info, job.overwrite, extra_files=files))
     if recipe.heal is not None:
-        remove_heal_state(heal_state_dir(request.output))
+        remove_heal_state(heal_state_dir(job.output))
 
 
 def perplexity_row(data: TextData, eval_tokens: int, before: float, after: float, note: str = "") -> dict[str, str]:

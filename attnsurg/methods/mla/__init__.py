@@ -81,3 +81,5 @@ from attnsurg.methods.mla.proxy import mla_proxy  # noqa: F401  (registers the p
 
 register(MethodSpec("mla", "GQA/MHA -> DeepSeek-style latent attention (DeepseekV3 checkpoint)", unsupported_reason,
                     full_budget=full_budget))
+from attnsurg.methods.mla.report import ConvertReport, refinement_of  # noqa: F401
+from attnsurg.methods.mla.method import MLA  # noqa: F401  (registers the surgery method)

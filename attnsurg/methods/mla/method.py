@@ -1,0 +1,99 @@
+"""``convert --to mla`` as a surgery method: its plan, the conversion of a loaded model or of one layer at a
+time, and what it reports."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig, PreTrainedModel
+
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.calibrate import short_prompt_starts
+from attnsurg.methods.base import CardText, Progress, StreamTarget, SurgeryInputs, SurgeryMethod, register_method
+from attnsurg.methods.mla.conversion import convert
+from attnsurg.methods.mla.plan import MLAPlan, plan_mla
+from attnsurg.methods.mla.report import (
+    ConvertReport,
+    layer_error_lines,
+    mla_card_text,
+    plan_rows,
+    plan_table,
+    refinement_of,
+)
+from attnsurg.methods.mla.split import check_measurable, split_candidates
+from attnsurg.methods.mla.stream import convert_streamed
+from attnsurg.recipe import MLASettings
+from attnsurg.requests import Calibration
+
+
+class MLA(SurgeryMethod):
+    names = ("mla",)
+    settings = MLASettings
+    plan_type = MLAPlan
+    step = "convert"
+    report_type = ConvertReport
+    timed_step = "conversion"
+    seconds_key = "convert_seconds"
+
+    def name_of(self, settings: MLASettings) -> str:
+        return settings.to
+
+    def progress_label(self, settings: MLASettings) -> str:
+        return "Converting layers"
+
+    def plan(self, anatomy: AttentionAnatomy, settings: MLASettings) -> MLAPlan:
+        return plan_mla(anatomy, settings.kv_budget, settings.kv_rank, settings.rope_dim, settings.rope_layout,
+                        settings.format, settings.engine, settings.nope_width, settings.rope_fold)
+
+    def check_calibration(self, settings: MLASettings, calibration: Calibration) -> None:
+        if settings.split == "measured":
+            check_measurable(calibration.tokens // calibration.seq_len, settings.kv_rank, settings.rope_dim,
+                             settings.rope_fold)
+
+    def stream_refusal(self, settings: MLASettings, plan: MLAPlan) -> str | None:
+        if settings.split == "measured":
+            return "--split measured compares splits on the whole model's statistics; with --stream give --rope-dim"
+        if settings.short_prompts:
+            return "--short-prompts is not available with --stream yet; drop one of them"
+        return None
+
+    def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings: MLASettings,
+                      report: ConvertReport, progress: Progress = None) -> PreTrainedModel:
+        result = convert(
+            source, inputs.family, inputs.windows, report.plan, settings.weighted,
+            refinement_of(settings, inputs.calibration), progress=progress,
+            starts=short_prompt_starts(inputs.windows, settings.short_prompts, inputs.seed), device=inputs.device,
+            received=settings.token_weights == "received", candidates=self.split_candidates(settings, report.anatomy),
+        )
+        report.plan, report.layer_errors, report.split = result.plan, result.layer_errors, result.split
+        return result.model
+
+    def split_candidates(self, settings: MLASettings, anatomy: AttentionAnatomy) -> list[MLAPlan] | None:
+        """The plans ``--split measured`` compares, or None for the rule's plan alone."""
+        if settings.split != "measured":
+            return None
+        return split_candidates(anatomy, settings.kv_budget, layout=settings.rope_layout, format=settings.format,
+                                engine=settings.engine, nope_width=settings.nope_width)
+
+    def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings: MLASettings,
+                         report: ConvertReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:
+        written, report.layer_errors = convert_streamed(
+            reader, source_config, inputs.family, inputs.windows, report.plan, target.directory, settings.weighted,
+            refinement_of(settings, inputs.calibration), target.dtype, target.max_shard_size, progress, inputs.device,
+            target.checkpoints, settings.token_weights == "received")
+        return written
+
+    def card_text(self, settings: MLASettings, report: ConvertReport, calibration: Calibration,
+                  healing: str) -> CardText:
+        return mla_card_text(settings, report, calibration, healing)
+
+    def report_record(self, report: ConvertReport) -> dict:
+        return {"plan": plan_rows(report.plan, report.anatomy), "layer_errors": [e._asdict() for e in report.layer_errors],
+                "split": report.split.record() if report.split else None}
+
+    def report_text(self, model: str, report: ConvertReport, dry_run: bool) -> list:
+        return [plan_table(model, report)] + ([f"split: {report.split.reason()}"] if report.split else [])
+
+    def result_text(self, report: ConvertReport) -> list:
+        return layer_error_lines(report)
+
+
+register_method(MLA())

@@ -1,0 +1,114 @@
+"""The one surgery pipeline, for every method (``convert`` and ``compress`` alike):
+plan -> (dry run stops here) -> calibration windows -> the method's operation, on the loaded source or one
+layer at a time -> (healing) -> ppl before/after -> the checkpoint with its card and recipe.
+
+What differs between methods is asked of the method (``methods/base.SurgeryMethod``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from attnsurg import ui
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.info import inspect_model
+from attnsurg.io.card import CardInfo
+from attnsurg.io.lazy import CheckpointReader
+from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
+from attnsurg.methods.base import StreamTarget, SurgeryInputs, SurgeryReport
+from attnsurg.pipelines.job import Job
+from attnsurg.pipelines.steps import (
+    Surgery,
+    base_model_id,
+    check_calibration,
+    command_line,
+    finish_streamed,
+    finish_surgery,
+    healing_note,
+    operated_once,
+    peak_memory_gb,
+    start_streamed,
+    start_surgery,
+    stream_refusal,
+    streams,
+)
+
+STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard is complete
+
+
+def planned(job: Job):
+    """The source, its anatomy and the report holding the method's plan; nothing is loaded."""
+    source, _, anatomy = inspect_model(job.model)
+    method = job.method
+    plan = method.plan(anatomy, job.settings)
+    method.check_calibration(job.settings, job.calibration)
+    return source, anatomy, method.report_type(plan, anatomy)
+
+
+def run_surgery(job: Job, dry_run: bool = False) -> SurgeryReport:
+    """Operate (and heal, when the recipe has a heal step); with ``dry_run`` only plan."""
+    source, anatomy, report = planned(job)
+    check_calibration(job.calibration, anatomy, read_text=dry_run)  # a run reads it before the weights load
+    if dry_run:
+        return report
+    refusal = job.method.stream_refusal(job.settings, report.plan) or stream_refusal(job, source, anatomy)
+    if streams(job.settings.stream, refusal):
+        return run_streamed(job, source, anatomy, report)
+    surgery = start_surgery(job, source, anatomy)
+    model = operated_once(lambda: operate(surgery, job, report), job)
+    finish_surgery(surgery, model, job, anatomy, report, lambda: card(job, report), job.method.extra_files())
+    return report
+
+
+def inputs_of(surgery: Surgery, job: Job) -> SurgeryInputs:
+    return SurgeryInputs(surgery.family, surgery.windows, job.calibration, surgery.device, job.seed)
+
+
+def operate(surgery: Surgery, job: Job, report: SurgeryReport) -> PreTrainedModel:
+    """The method's operation on the loaded source (the report gets its time, plan and figures)."""
+    started = time.perf_counter()
+    with ui.progress_bar(job.method.progress_label(job.settings), total=report.anatomy.num_layers, unit="layers") as advance:
+        model = job.method.operate_model(surgery.model, inputs_of(surgery, job), job.settings, report, advance)
+    report.operation_seconds = time.perf_counter() - started
+    return model
+
+
+def run_streamed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryReport) -> SurgeryReport:
+    """The operation with one source layer in memory at a time, written straight into the staged output in the
+    source's dtype; the source and the output are scored a module at a time."""
+    report.streamed = True
+    surgery, config, dtype = start_streamed(job, source, anatomy)
+    fingerprint = settings_fingerprint(job.recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows,
+                                       Path(source.path))
+    with resumable_checkpoint(job.output, job.overwrite, fingerprint) as checkpoints:
+        target = StreamTarget(checkpoints.directory, dtype, STREAM_SHARD_SIZE, checkpoints)
+        label = f"{job.method.progress_label(job.settings)} (streamed)"
+        started = time.perf_counter()
+        with ui.progress_bar(label, total=anatomy.num_layers, unit="layers") as advance:
+            written = job.method.operate_streamed(CheckpointReader(Path(source.path)), config, inputs_of(surgery, job),
+                                                  job.settings, report, target, advance)
+        report.operation_seconds = time.perf_counter() - started
+        finish_streamed(target.directory, written, source, surgery, job, report, lambda: card(job, report),
+                        job.method.extra_files())
+    report.written = str(job.output)
+    report.seconds = time.perf_counter() - surgery.started
+    report.peak_memory_gb = peak_memory_gb()
+    return report
+
+
+def card(job: Job, report: SurgeryReport) -> CardInfo:
+    """The method's card text, with the model and the command."""
+    text = job.method.card_text(job.settings, report, job.calibration, healing_note(report))
+    return CardInfo(
+        title=f"{job.model.ref} {text.title}",
+        summary=text.summary,
+        base_model=base_model_id(job.model.ref),
+        tags=text.tags,
+        command=command_line(),
+        details=text.details,
+        figures=text.figures,
+        sections=text.sections,
+    )

@@ -60,7 +60,27 @@ def test_full_budget_on_phi3_reproduces_its_logits(phi3_checkpoint, corpus_file,
         torch.testing.assert_close(written, load_model(resolve_source(str(phi3_checkpoint)))(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_streaming_a_fused_family_is_refused(phi3_checkpoint, tmp_path):
-    result = CliRunner().invoke(app, ["compress", str(phi3_checkpoint), "--method", "svdllm", "--ratio", "0.5", "--stream",
-                                      "-o", str(tmp_path / "never")])
-    assert result.exit_code == 2 and "fused projections" in result.output and not (tmp_path / "never").exists()
+@pytest.mark.parametrize("args", [
+    ["compress", "--method", "svdllm", "--targets", "q,k,v,o", "--ratio", "0.5"],
+    ["convert", "--to", "mla", "--kv-budget", "0.5", "--refine-steps", "3", "--refine-tokens", "256"],
+], ids=["svdllm", "mla"])
+def test_a_fused_family_streams_to_the_checkpoint_a_whole_load_writes(phi3_checkpoint, corpus_file, tmp_path, args):
+    """Streaming reads Phi-3's fused tensors split (``UnfusedReader``), layer by layer: the same checkpoint as
+    splitting the loaded model, without loading it."""
+    import json
+
+    from safetensors import safe_open
+
+    common = [*args[:1], str(phi3_checkpoint), *args[1:], "--calib-text", str(corpus_file), "--calib-tokens", "512",
+              "--calib-seq-len", "64", "--eval-tokens", "0", "--json"]
+    for name, extra in (("loaded", ["--no-stream"]), ("streamed", [])):
+        result = CliRunner().invoke(app, common + extra + ["-o", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["streamed"] == (name == "streamed")
+    tensors = {}
+    for name in ("loaded", "streamed"):
+        with safe_open(tmp_path / name / "model.safetensors", "pt") as f:
+            tensors[name] = {key: f.get_tensor(key) for key in f.keys()}
+    assert tensors["streamed"].keys() == tensors["loaded"].keys()
+    for key, tensor in tensors["loaded"].items():
+        torch.testing.assert_close(tensors["streamed"][key], tensor, rtol=1e-4, atol=1e-5, msg=key)

@@ -34,26 +34,66 @@ def unfused_config(config: PretrainedConfig) -> MistralConfig:
     return MistralConfig(**fields)
 
 
+FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+         "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def split_widths(config: PretrainedConfig) -> dict[str, list[int]]:
+    """The row counts each fused tensor splits into, for the unfused config."""
+    H, G = config.num_attention_heads, config.num_key_value_heads
+    d = config.head_dim or config.hidden_size // H
+    return {"self_attn.qkv_proj.weight": [H * d, G * d, G * d],
+            "mlp.gate_up_proj.weight": [config.intermediate_size, config.intermediate_size]}
+
+
+def fused_suffix(name: str) -> str | None:
+    return next((suffix for suffix in FUSED if name.endswith(suffix)), None)
+
+
+def unfused_names(name: str) -> tuple[str, ...]:
+    """The names a stored tensor has once unfused: a fused one's parts, any other its own."""
+    fused = fused_suffix(name)
+    return (name,) if fused is None else tuple(name.removesuffix(fused) + part for part in FUSED[fused])
+
+
+def unfused_tensors(name: str, tensor: torch.Tensor, widths: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """A stored tensor under the unfused names: a fused one split by rows, any other as it is."""
+    fused = fused_suffix(name)
+    pieces = (tensor,) if fused is None else tensor.split(widths[fused])
+    return dict(zip(unfused_names(name), pieces, strict=True))
+
+
+class UnfusedReader:
+    """A fused-projection checkpoint (Phi-3) read one tensor at a time as the family it equals: each fused
+    tensor split on read, so a layer-by-layer surgery reads it as it reads a Mistral checkpoint."""
+
+    def __init__(self, reader, config: PretrainedConfig):
+        self.reader, self.path = reader, reader.path
+        self.widths = split_widths(unfused_config(config))
+        self.fused_of = {part: name for name in reader.weight_map for part in unfused_names(name)}
+        self.weight_map = {part: reader.weight_map[name] for part, name in self.fused_of.items()}
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        fused = self.fused_of.get(name, name)
+        return unfused_tensors(fused, self.reader.tensor(fused, dtype), self.widths)[name]
+
+    def state(self, prefix: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        state = {}
+        for name, tensor in self.reader.state(prefix, dtype).items():
+            state |= unfused_tensors(name, tensor, self.widths)
+        return state
+
+
 @torch.no_grad()
 def unfused_model(model: PreTrainedModel) -> PreTrainedModel:
     """A fused-projection model (Phi-3) as the family it equals with split projections; other models as they are."""
     if model.config.model_type not in UNFUSED_AS:
         return model
     config = unfused_config(model.config)
-    H, G = config.num_attention_heads, config.num_key_value_heads
-    d = config.head_dim or config.hidden_size // H
+    widths = split_widths(config)
     state = {}
     for name, tensor in model.state_dict().items():
-        if name.endswith("self_attn.qkv_proj.weight"):
-            q, k, v = tensor.split([H * d, G * d, G * d])
-            prefix = name.removesuffix("qkv_proj.weight")
-            state |= {prefix + "q_proj.weight": q, prefix + "k_proj.weight": k, prefix + "v_proj.weight": v}
-        elif name.endswith("mlp.gate_up_proj.weight"):
-            gate, up = tensor.chunk(2)
-            prefix = name.removesuffix("gate_up_proj.weight")
-            state |= {prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up}
-        else:
-            state[name] = tensor
+        state |= unfused_tensors(name, tensor, widths)
     with torch.device("meta"):
         target = MistralForCausalLM(config)
     target.load_state_dict(state, assign=True, strict=not config.tie_word_embeddings)

@@ -16,14 +16,14 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy, meta_model
 from attnsurg.arch.families import LLAMA_LIKE_LAYERS, Family, family_for_surgery
-from attnsurg.arch.unfuse import UNFUSED_AS, unfused_model
+from attnsurg.arch.unfuse import UNFUSED_AS, UnfusedReader, unfused_config, unfused_model
 from attnsurg.calibrate import calibration_windows
 from attnsurg.data import read_text_file
 from attnsurg.eval.perplexity import Tokens, perplexity_of, scoring_windows
 from attnsurg.eval.windows import Window
 from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
-from attnsurg.io.lazy import offloaded_model, reads_lazily, require_finite
+from attnsurg.io.lazy import CheckpointReader, offloaded_model, reads_lazily, require_finite
 from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_device
 from attnsurg.io.save import check_output_path, finish_staging, write_checkpoint
 from attnsurg.modeling import register as register_attnsurg
@@ -239,16 +239,12 @@ def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: boo
 
 def stream_refusal(job: Job, source, anatomy: AttentionAnatomy) -> str | None:
     """Why this run cannot read the source one decoder layer at a time, or None: healing holds the whole model,
-    layers of mixed types or fused projections need a whole-model load, and the layers are read from a local
-    safetensors directory."""
+    layers of mixed types need a whole-model load, and the layers are read from a local safetensors directory."""
     if job.recipe.heal is not None:
         return "healing needs the whole model in memory; run with stream: false, or heal afterwards with `attnsurg heal`"
     if anatomy.model_type not in LLAMA_LIKE_LAYERS:
         return (f"--stream runs each layer with one RoPE and a causal mask, and {anatomy.model_type} mixes layer types; "
                 "drop --stream")
-    if anatomy.model_type in UNFUSED_AS:
-        return (f"--stream reads layers as stored, and {anatomy.model_type}'s fused projections are split only on a "
-                "whole-model load; drop --stream")
     if source.kind not in ("dir", "builtin"):
         return (f"--stream reads a local safetensors checkpoint directory, and '{job.model.ref}' is a {source.kind} "
                 "source; convert it to a directory first, or drop --stream")
@@ -266,12 +262,18 @@ def streams(asked: bool | None, refusal: str | None) -> bool:
     return refusal is None if asked is None else asked
 
 
-def start_streamed(job: Job, source, anatomy: AttentionAnatomy) -> tuple[Surgery, PretrainedConfig, torch.dtype]:
+def start_streamed(job: Job, source, anatomy: AttentionAnatomy):
     """A surgery that reads the source one decoder layer at a time (``streams``): its tokenizer and windows, the
-    source's config and the dtype the output is written in (the source's)."""
+    config of the family it operates on, the dtype the output is written in (the source's) and the reader of the
+    source's tensors."""
     surgery = start_surgery(job, source, anatomy, load_weights=False)
-    config = load_config(source, job.model.trust_remote_code)
-    return surgery, config, DTYPES.get(str(config.dtype or "float32").removeprefix("torch."), torch.float32)
+    stored = load_config(source, job.model.trust_remote_code)
+    reader = CheckpointReader(Path(source.path))
+    if stored.model_type in UNFUSED_AS:  # read as the family it equals, each fused tensor split on read
+        reader, config = UnfusedReader(reader, stored), unfused_config(stored)
+    else:
+        config = stored
+    return surgery, config, DTYPES.get(str(config.dtype or "float32").removeprefix("torch."), torch.float32), reader
 
 
 def generation_config(source_path: str, config) -> GenerationConfig:

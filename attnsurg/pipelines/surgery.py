@@ -16,7 +16,6 @@ from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
-from attnsurg.io.lazy import CheckpointReader
 from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.base import StreamTarget, SurgeryInputs, SurgeryReport
 from attnsurg.pipelines.job import Job
@@ -80,7 +79,7 @@ def run_streamed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryRep
     """The operation with one source layer in memory at a time, written straight into the staged output in the
     source's dtype; the source and the output are scored a module at a time."""
     report.streamed = True
-    surgery, config, dtype = start_streamed(job, source, anatomy)
+    surgery, config, dtype, reader = start_streamed(job, source, anatomy)
     fingerprint = settings_fingerprint(job.recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows,
                                        Path(source.path))
     with resumable_checkpoint(job.output, job.overwrite, fingerprint) as checkpoints:
@@ -88,7 +87,7 @@ def run_streamed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryRep
         label = f"{job.method.progress_label(job.settings)} (streamed)"
         started = time.perf_counter()
         with ui.progress_bar(label, total=anatomy.num_layers, unit="layers") as advance:
-            written = job.method.operate_streamed(CheckpointReader(Path(source.path)), config, inputs_of(surgery, job),
+            written = job.method.operate_streamed(reader, config, inputs_of(surgery, job),
                                                   job.settings, report, target, advance)
         report.operation_seconds = time.perf_counter() - started
         finish_streamed(target.directory, written, source, surgery, job, report, lambda: card(job, report),

@@ -160,13 +160,17 @@ class InputStatistics:
         self.received_moment: torch.Tensor | None = None
         self.abs_sum: torch.Tensor | None = None
 
-    def add(self, x: torch.Tensor, received: torch.Tensor | None = None) -> None:
+    def add(self, x: torch.Tensor, received: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> None:
         """Accumulate on the device ``x`` is on (a GPU's float64 is far faster than the CPU's); the
         statistics read back on the CPU, where the decompositions run. ``received``: [windows, L], the
-        attention each token receives."""
+        attention each token receives; ``starts``: [windows, L] bool, where a prompt of its own starts (each
+        window's first token when not given)."""
         x = x.detach()
         xa = augment(x)
-        first = augment(x[:, 0]) if x.ndim == 3 else xa[:0]
+        if starts is not None:
+            first = augment(x[starts.to(x.device)])
+        else:
+            first = augment(x[:, 0]) if x.ndim == 3 else xa[:0]
         if self.moment is None:
             self.moment = torch.zeros(xa.shape[1], xa.shape[1], dtype=torch.float64, device=x.device)
             self.first_moment = torch.zeros_like(self.moment)
@@ -269,38 +273,65 @@ def additive_mask(visible: torch.Tensor) -> torch.Tensor:
 
 
 def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked: tuple[str, ...],
-                    device: torch.device | None = None, start: int = 0, received: tuple[str, ...] = ()):
+                    device: torch.device | None = None, start: int = 0, received: tuple[str, ...] = (),
+                    starts: torch.Tensor | None = None):
     """Each decoder layer from ``start`` on, read alone (``io.lazy``) and run over the residual stream of every
     window ([n, L, D], float32: layer ``start``'s input, the embeddings from the first), one layer in memory at a
     time: yields ``(index, layer, statistics, stream)``, the ``InputStatistics`` of each ``hooked`` submodule over
     the windows and the stream the layer has advanced. With ``device``, the stream and each layer's pass live
     there; the layer is yielded back on the CPU. The ``received`` ones among the hooked (attention layers) also
-    weigh each token by the attention it receives."""
+    weigh each token by the attention it receives. ``starts`` ([n, L] bool, ``short_prompt_starts``) cuts the
+    windows into prompts that each see only themselves, from position 0, as if run alone."""
     from attnsurg.io.lazy import load_layer, rotary_embedding
     from attnsurg.modeling.modeling_attnsurg import layer_window
     from attnsurg.placement import on_device
 
+    if starts is not None and received:
+        raise ValueError("attention received is measured over whole windows; it cannot be weighed on short prompts")
     stream = stream.to(device or stream.device)
-    rope = rotary_embedding(config).to(stream.device)(stream[:1], torch.arange(stream.shape[1], device=stream.device)[None])
+    rotary = rotary_embedding(config).to(stream.device)
     for index in range(start, config.num_hidden_layers):
-        mask = causal_mask(stream.shape[1], layer_window(config, index)).to(stream.device)
         layer = load_layer(reader, config, index, prefix=family.layers_path)
         stats = {name: InputStatistics() for name in hooked}
+        current = {}
 
         def hook(module, args, kwargs, name: str):
             x = kwargs.get("hidden_states", args[0] if args else None)
-            stats[name].add(x, received_by(module, x, kwargs) if name in received else None)
+            stats[name].add(x, received_by(module, x, kwargs) if name in received else None, current.get("starts"))
 
         handles = [layer.get_submodule(name).register_forward_pre_hook(partial(hook, name=name), with_kwargs=True)
                    for name in hooked]
         try:
+            advanced = []
             with on_device(layer, stream.device):
-                stream = torch.cat([layer(chunk, attention_mask=mask, position_embeddings=rope) for chunk in stream.split(8)])
+                for chunk, rope, mask, current["starts"] in chunk_passes(stream, rotary, layer_window(config, index), starts):
+                    advanced.append(layer(chunk, attention_mask=mask, position_embeddings=rope))
+            stream = torch.cat(advanced)
         finally:
             for handle in handles:
                 handle.remove()
         check_finite([stats[name] for name in hooked], [f"layer {index} {name}" for name in hooked])
         yield index, layer, [stats[name] for name in hooked], stream
+
+
+STREAM_CHUNK = 8  # windows through a layer at a time
+
+
+def chunk_passes(stream: torch.Tensor, rotary: nn.Module, window: int | None, starts: torch.Tensor | None):
+    """What each chunk of windows runs a layer with: its stream, RoPE, additive mask and prompt starts. Plain
+    windows share one causal mask; ``starts`` gives each prompt its own positions from 0 and keys."""
+    length, on = stream.shape[1], stream.device
+    if starts is None:
+        rope = rotary(stream[:1], torch.arange(length, device=on)[None])
+        mask = causal_mask(length, window).to(on)
+        for chunk in stream.split(STREAM_CHUNK):
+            yield chunk, rope, mask, None
+        return
+    positions, visible = prompt_layout(starts)
+    keys = visible_keys(length, window)
+    for chunk, position, seen, first in zip(stream.split(STREAM_CHUNK), positions.split(STREAM_CHUNK),
+                                           visible.split(STREAM_CHUNK), starts.split(STREAM_CHUNK)):
+        yield chunk, rotary(chunk, position.to(on)), additive_mask((seen & keys).to(on)), first
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
+from attnsurg.calibrate import short_prompt_starts
 from attnsurg.io.lazy import CheckpointReader
 from attnsurg.methods.mla import Refinement, convert, plan_mla
 from attnsurg.methods.mla.stream import convert_streamed
@@ -17,20 +18,24 @@ from attnsurg.methods.mla.stream import convert_streamed
 from conftest import assert_streamed_like_loaded, with_mean_direction
 
 
-@pytest.mark.parametrize("variant,refine_steps,received", [("llama-gqa", 0, False), ("qwen2", 5, False), ("llama-mha", 5, False),
-                                                      ("qwen2", 0, True)])
-def test_streamed_conversion_equals_the_in_memory_one(variant, refine_steps, received, tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("variant,refine_steps,received,short", [
+    ("llama-gqa", 0, False, 0.0), ("qwen2", 5, False, 0.0), ("llama-mha", 5, False, 0.0), ("qwen2", 0, True, 0.0),
+    ("llama-gqa", 5, False, 0.5)])
+def test_streamed_conversion_equals_the_in_memory_one(variant, refine_steps, received, short, tiny_checkpoints, tmp_path):
+    """The same conversion both ways, and with ``short`` the windows' last half cut into short prompts: the loaded
+    run passes each prompt alone, the streamed one masks each to itself with its own positions."""
     source = with_mean_direction(AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant]))
     source.save_pretrained(tmp_path / "source", max_shard_size="60KB")  # sharded: layers span files
     family = family_for_surgery(source.config.model_type)
     plan = plan_mla(inspect_config(source.config), kv_budget=0.5)
     windows = torch.randint(0, source.config.vocab_size, (6, 32), generator=torch.Generator().manual_seed(0))
     refinement = Refinement(refine_steps, tokens=4 * 32)
-    in_memory = convert(source, family, windows, plan, refinement=refinement, received=received)
+    starts = short_prompt_starts(windows, short, seed=0) if short else None
+    in_memory = convert(source, family, windows, plan, refinement=refinement, received=received, starts=starts)
     out = tmp_path / "streamed"
     out.mkdir()
     config, errors = convert_streamed(CheckpointReader(tmp_path / "source"), source.config, family, windows, plan, out,
-                                      refinement=refinement, max_shard_size="60KB", received=received)
+                                      refinement=refinement, max_shard_size="60KB", received=received, starts=starts)
     config.save_pretrained(out)
     streamed = AutoModelForCausalLM.from_pretrained(out)
     assert len(errors) == (source.config.num_hidden_layers if refine_steps else 0)
@@ -75,7 +80,8 @@ def test_convert_stream_writes_the_checkpoint_convert_writes(tiny_checkpoints, c
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-3, atol=1e-3)
     assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
-    refused = runner.invoke(app, common + ["--stream", "--short-prompts", "0.25", "-o", str(tmp_path / "never")])
+    refused = runner.invoke(app, common + ["--stream", "--short-prompts", "0.25", "--token-weights", "received", "-o",
+                                           str(tmp_path / "never")])
     assert refused.exit_code == 2 and "--short-prompts" in refused.output and not (tmp_path / "never").exists()
 
 

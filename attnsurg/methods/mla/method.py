@@ -51,8 +51,9 @@ class MLA(SurgeryMethod):
     def stream_refusal(self, settings: MLASettings, plan: MLAPlan) -> str | None:
         if settings.split == "measured":
             return "--split measured compares splits on the whole model's statistics; with --stream give --rope-dim"
-        if settings.short_prompts:
-            return "--short-prompts is not available with --stream yet; drop one of them"
+        if settings.short_prompts and settings.token_weights == "received":
+            return ("--token-weights received weighs whole windows, and --short-prompts cuts them: with --stream "
+                    "drop one of them")
         return None
 
     def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings: MLASettings,
@@ -60,11 +61,18 @@ class MLA(SurgeryMethod):
         result = convert(
             source, inputs.family, inputs.windows, report.plan, settings.weighted,
             refinement_of(settings, inputs.calibration), progress=progress,
-            starts=short_prompt_starts(inputs.windows, settings.short_prompts, inputs.seed), device=inputs.device,
+            starts=self.starts(settings, inputs), device=inputs.device,
             received=settings.token_weights == "received", candidates=self.split_candidates(settings, report.anatomy),
         )
         report.plan, report.layer_errors, report.split = result.plan, result.layer_errors, result.split
         return result.model
+
+    def starts(self, settings: MLASettings, inputs: SurgeryInputs, streamed: bool = False):
+        """Where the calibration windows' prompts start (``--short-prompts``); a streamed run without short
+        prompts runs plain windows."""
+        if streamed and not settings.short_prompts:
+            return None
+        return short_prompt_starts(inputs.windows, settings.short_prompts, inputs.seed)
 
     def split_candidates(self, settings: MLASettings, anatomy: AttentionAnatomy) -> list[MLAPlan] | None:
         """The plans ``--split measured`` compares, or None for the rule's plan alone."""
@@ -78,7 +86,7 @@ class MLA(SurgeryMethod):
         written, report.layer_errors = convert_streamed(
             reader, source_config, inputs.family, inputs.windows, report.plan, target.directory, settings.weighted,
             refinement_of(settings, inputs.calibration), target.dtype, target.max_shard_size, progress, inputs.device,
-            target.checkpoints, settings.token_weights == "received")
+            target.checkpoints, settings.token_weights == "received", self.starts(settings, inputs, streamed=True))
         return written
 
     def card_text(self, settings: MLASettings, report: ConvertReport, calibration: Calibration,

@@ -43,11 +43,12 @@ def convert_streamed(
     device: torch.device | None = None,
     checkpoints: LayerCheckpoints | None = None,
     received: bool = False,
+    starts: torch.Tensor | None = None,
 ) -> tuple[PretrainedConfig, list[LayerError]]:
     """Write the converted model's weights into ``output`` (shards and index; the caller adds config and
     tokenizer) and return its config and each refined layer's errors. ``device``: where the calibration stream
     and refinement run, one layer there at a time. ``checkpoints``: a checkpoint after every layer, and the
-    run resumes from the last one they hold (``io.resume``). ``received``: as in ``mla.convert``."""
+    run resumes from the last one they hold (``io.resume``). ``received`` and ``starts``: as in ``mla.convert``."""
     rotary = rotary_embedding(source_config)
     config = deepseek_config(source_config, plan, rotary.inv_freq)
     config.dtype = str(dtype).removeprefix("torch.")
@@ -59,11 +60,12 @@ def convert_streamed(
                              config.tie_word_embeddings, checkpoints, config.num_hidden_layers)
         if progress and start.layer:
             progress(start.layer)
-        refiner = started_refiner(rotary, family, fitted, start, windows.shape[1], refinement, device)
+        refiner = started_refiner(rotary, family, fitted, start, windows.shape[1], refinement, device, starts)
         errors = [LayerError(*error) for error in start.errors]
         hooked = (family.attention_attr,)
         for index, layer, (statistics,), stream in streamed_layers(reader, source_config, family, start.stream, hooked,
-                                                                   device, start.layer, received=hooked if received else ()):
+                                                                   device, start.layer, received=hooked if received else (),
+                                                                   starts=starts):
             attention = getattr(layer, family.attention_attr)
             weights, *alternatives = layer_closed_forms(attention, statistics, plan, weighted, rotary.inv_freq)
             if refiner:
@@ -79,7 +81,8 @@ def convert_streamed(
 
 
 def started_refiner(rotary, family: Family, fitted: PretrainedConfig, start: StreamStart, window: int,
-                    refinement: Refinement | None, device: torch.device | None) -> SequentialRefiner | None:
+                    refinement: Refinement | None, device: torch.device | None,
+                    starts: torch.Tensor | None = None) -> SequentialRefiner | None:
     """The refiner for a run starting at ``start``: its windows are the first of the stream (those it trains on,
     then its held-out ones), and a resumed run carries on with the streams it had."""
     if not refinement:
@@ -87,7 +90,8 @@ def started_refiner(rotary, family: Family, fitted: PretrainedConfig, start: Str
     count = len(start.stream)
     keep = min(count, max(1, refinement.tokens // window))
     held_out = min(count - keep, math.ceil(keep * HELD_OUT_SHARE))
-    refiner = SequentialRefiner(rotary, family, start.stream[: keep + held_out].clone(), fitted, held_out, device=device)
+    used = None if starts is None else starts[: keep + held_out]
+    refiner = SequentialRefiner(rotary, family, start.stream[: keep + held_out].clone(), fitted, held_out, used, device)
     if start.carried:
         refiner.resume(start.carried)
     return refiner

@@ -12,7 +12,8 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.cli import app
 from attnsurg.methods.mla import convert, plan_mla
-from attnsurg.methods.mla.split import SPLIT_HELD_OUT, merged, split_candidates
+from attnsurg.io.lazy import CheckpointReader
+from attnsurg.methods.mla.split import SPLIT_HELD_OUT, merged, split_candidates, streamed_split
 
 from conftest import build_tiny, with_mean_direction
 
@@ -42,6 +43,18 @@ def test_each_model_gets_the_split_its_own_held_out_errors_favour():
                     kv_budget=0.5).rope_dim == 16  # the rule would have spent twice the RoPE width
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_a_streamed_measurement_scores_the_splits_as_a_loaded_one(kv_heads, tmp_path):
+    """One layer in memory at a time, the candidates get the loaded model's held-out errors and the same choice."""
+    model = with_mean_direction(build_tiny("llama", 384, num_key_value_heads=kv_heads, head_dim=32))
+    model.save_pretrained(tmp_path / "source", max_shard_size="100KB")
+    candidates = split_candidates(inspect_config(model.config), 0.5)
+    loaded = convert(model, LLAMA, WINDOWS, candidates[0], candidates=candidates).split
+    streamed = streamed_split(CheckpointReader(tmp_path / "source"), model.config, LLAMA, WINDOWS, candidates, True)
+    assert streamed.chosen == loaded.chosen and len(streamed.errors) == len(candidates) > 1
+    assert streamed.errors == pytest.approx(loaded.errors, rel=1e-4)
+
+
 def test_candidates_halve_the_head_dim_and_leave_the_latent_at_least_half():
     anatomy = inspect_config(build_tiny("llama", 384, num_key_value_heads=4, head_dim=32).config)
     assert [p.rope_dim for p in split_candidates(anatomy, 0.5)] == [32, 16, 8]
@@ -62,13 +75,15 @@ def test_statistics_of_two_passes_merged_equal_one_pass_over_all_windows():
             torch.testing.assert_close(getattr(two, name), getattr(one, name), rtol=1e-12, atol=1e-12)
 
 
-def test_the_command_prints_and_records_the_splits_it_compared(tiny_checkpoints, tmp_path, corpus_file):
+@pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
+def test_the_command_prints_and_records_the_splits_it_compared(stream, tiny_checkpoints, tmp_path, corpus_file):
     result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "mla", "--kv-budget", "0.5", "-o", str(tmp_path / "out"),
                                       "--split", "measured", "--calib-text", str(corpus_file), "--calib-tokens", "384",
                                       "--calib-seq-len", "64", "--refine-steps", "0", "--eval-tokens", "0",
-                                      "--eval-domains", "none", "--json"])
+                                      "--eval-domains", "none", "--json", stream])
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
+    assert record["streamed"] == (stream == "--stream")
     split = record["split"]
     assert len(split["candidates"]) == 2 and split["chosen_rope_dim"] == record["plan"][0]["rope_dims"]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.qk_rope_head_dim == split["chosen_rope_dim"]
@@ -79,7 +94,6 @@ def test_the_command_prints_and_records_the_splits_it_compared(tiny_checkpoints,
     (["--rope-dim", "16"], "drop --rope-dim/--rope-fold"),
     (["--kv-rank", "24"], "with --kv-rank give --rope-dim"),
     (["--calib-tokens", "128"], "calibrate on more than 2 windows"),
-    (["--stream"], "with --stream give --rope-dim"),
 ])
 def test_measured_splits_it_cannot_make_are_one_line(tiny_checkpoints, options, fragment, tmp_path):
     result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "mla", "--split", "measured",

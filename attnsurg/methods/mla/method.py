@@ -18,7 +18,7 @@ from attnsurg.methods.mla.report import (
     plan_table,
     refinement_of,
 )
-from attnsurg.methods.mla.split import check_measurable, split_candidates
+from attnsurg.methods.mla.split import check_measurable, split_candidates, streamed_split
 from attnsurg.methods.mla.stream import convert_streamed
 from attnsurg.recipe import MLASettings
 from attnsurg.requests import Calibration
@@ -49,8 +49,6 @@ class MLA(SurgeryMethod):
                              settings.rope_fold)
 
     def stream_refusal(self, settings: MLASettings, plan: MLAPlan) -> str | None:
-        if settings.split == "measured":
-            return "--split measured compares splits on the whole model's statistics; with --stream give --rope-dim"
         if settings.short_prompts and settings.token_weights == "received":
             return ("--token-weights received weighs whole windows, and --short-prompts cuts them: with --stream "
                     "drop one of them")
@@ -83,6 +81,11 @@ class MLA(SurgeryMethod):
 
     def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings: MLASettings,
                          report: ConvertReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:
+        if candidates := self.split_candidates(settings, report.anatomy):
+            report.split = streamed_split(reader, source_config, inputs.family, inputs.windows, candidates,
+                                          settings.weighted, inputs.device, self.starts(settings, inputs, streamed=True),
+                                          settings.token_weights == "received")
+            report.plan = report.split.chosen
         written, report.layer_errors = convert_streamed(
             reader, source_config, inputs.family, inputs.windows, report.plan, target.directory, settings.weighted,
             refinement_of(settings, inputs.calibration), target.dtype, target.max_shard_size, progress, inputs.device,

@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.calibrate import InputStatistics, captured_inputs, causal_mask
+from attnsurg.arch.families import Family
+from attnsurg.calibrate import InputStatistics, captured_inputs, causal_mask, streamed_layers
+from attnsurg.io.lazy import rotary_embedding
 from attnsurg.errors import UserError
 from attnsurg.methods.mla.assemble import deepseek_config
 from attnsurg.methods.mla.fit import fit_layer
@@ -79,23 +81,25 @@ def split_name(plan: MLAPlan) -> str:
 
 
 @torch.no_grad()
-def closed_form_errors(source: PreTrainedModel, attentions: list, statistics: list[InputStatistics],
+def closed_form_errors(source: PreTrainedModel | PretrainedConfig, attentions: list, statistics: list[InputStatistics],
                        inputs: list[torch.Tensor], targets: list[torch.Tensor], plan: MLAPlan, weighted: bool,
                        rotary) -> list[float]:
     """Per layer, the relative squared error of the closed-form conversion's output on ``inputs`` against
     the original layer's ``targets`` ([n, L, D] each), the first token of each window left out."""
-    length = inputs[0].shape[1]
     config = deepseek_config(source, plan.fitted, rotary.inv_freq)
     config._attn_implementation = "sdpa"
-    rope = DeepseekV3RotaryEmbedding(config)(inputs[0][:1], torch.arange(length)[None])
-    errors = []
-    for index, (attention, stats, x, target) in enumerate(zip(attentions, statistics, inputs, targets, strict=True)):
-        weights = fit_layer(attention, stats.sigma, plan, weighted, stats.sigma_first, rotary.inv_freq,
-                            stats.sigma_received)
-        output = sampled_output(mla_attention(config, index, weights, attention.o_proj.weight), x, rope,
-                                torch.arange(length))
-        errors.append(float((output - target)[:, 1:].pow(2).sum() / target[:, 1:].pow(2).sum()))
-    return errors
+    rope = DeepseekV3RotaryEmbedding(config)(inputs[0][:1], torch.arange(inputs[0].shape[1])[None])
+    return [closed_form_error(attention, stats, x, target, plan, weighted, rotary, config, rope, index)
+            for index, (attention, stats, x, target) in enumerate(zip(attentions, statistics, inputs, targets, strict=True))]
+
+
+def closed_form_error(attention, stats: InputStatistics, x: torch.Tensor, target: torch.Tensor, plan: MLAPlan,
+                      weighted: bool, rotary, config, rope, index: int = 0) -> float:
+    """One layer's closed form fitted on ``stats``, its output on ``x`` against ``target`` (``closed_form_errors``)."""
+    weights = fit_layer(attention, stats.sigma, plan, weighted, stats.sigma_first, rotary.inv_freq, stats.sigma_received)
+    output = sampled_output(mla_attention(config, index, weights, attention.o_proj.weight), x, rope,
+                            torch.arange(x.shape[1]))
+    return float((output - target)[:, 1:].pow(2).sum() / target[:, 1:].pow(2).sum())
 
 
 @torch.no_grad()
@@ -119,6 +123,41 @@ def choose_split(source: PreTrainedModel, attentions: list, fit_statistics: list
     for plan in candidates:
         layers = closed_form_errors(source, attentions, fit_statistics, inputs, targets, plan, weighted, rotary)
         choice.errors.append(sum(layers) / len(layers))
+    return choice
+
+
+@torch.no_grad()
+def streamed_split(reader, source_config: PretrainedConfig, family: Family, windows: torch.Tensor,
+                   candidates: list[MLAPlan], weighted: bool, device: torch.device | None = None,
+                   starts: torch.Tensor | None = None, received: bool = False) -> SplitChoice:
+    """``choose_split`` with one source layer in memory at a time: the fitted windows' and the held-out ones'
+    residual streams carried through the layers side by side (each layer read twice), every candidate's
+    closed form fitted and scored at each layer before the next is read. A pass of its own before the
+    conversion's."""
+    choice = SplitChoice(candidates)
+    if len(candidates) == 1:
+        return choice
+    embeddings = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")
+    fit, held = embeddings[windows[:-SPLIT_HELD_OUT]].float(), embeddings[windows[-SPLIT_HELD_OUT:]].float()
+    hooked, weighed = (family.attention_attr,), (family.attention_attr,) if received else ()
+    fitted = streamed_layers(reader, source_config, family, fit, hooked, device, received=weighed,
+                             starts=None if starts is None else starts[:-SPLIT_HELD_OUT])
+    scored = streamed_layers(reader, source_config, family, held, (), device)
+    rotary = rotary_embedding(source_config)
+    configs = [deepseek_config(source_config, plan.fitted, rotary.inv_freq) for plan in candidates]
+    for config in configs:
+        config._attn_implementation = "sdpa"
+    positions = torch.arange(held.shape[1])[None]
+    ropes = [DeepseekV3RotaryEmbedding(config)(held[:1], positions) for config in configs]
+    errors = [[] for _ in candidates]
+    for (index, _, (stats,), _), (_, layer, _, advanced) in zip(fitted, scored, strict=True):
+        attention = getattr(layer, family.attention_attr)
+        x = getattr(layer, family.input_norm)(held)
+        target = original_outputs([attention], [x], rotary)[0]
+        for row, plan, config, rope in zip(errors, candidates, configs, ropes, strict=True):
+            row.append(closed_form_error(attention, stats, x, target, plan, weighted, rotary, config, rope, index))
+        held = advanced.cpu()
+    choice.errors = [sum(row) / len(row) for row in errors]
     return choice
 
 

@@ -196,6 +196,19 @@ class CompressMethod(SurgeryMethod):
         """Why this plan cannot run one layer at a time, or None."""
         return None
 
+    def needs_survey(self, plan) -> bool:
+        """Whether the plan needs every layer seen before any is operated on (a streamed run then makes a first
+        pass over the layers: ``survey_layer`` each, then ``surveyed``)."""
+        return False
+
+    def survey_layer(self, plan, index: int, context: LayerContext) -> Any:
+        """What the first pass keeps of layer ``index``."""
+        raise NotImplementedError
+
+    def surveyed(self, plan, surveys: list) -> None:
+        """The plan completed from every layer's survey, in order."""
+        raise NotImplementedError
+
     def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings, report: SurgeryReport,
                       progress: Progress = None) -> PreTrainedModel:
         attentions = attention_layers(source, inputs.family)

@@ -7,8 +7,8 @@ model gives), and its new tensors are computed in float64 and written straight t
 (``io.shards``) with the rest of the layer in the output dtype. Memory holds one source layer, the stream and
 at most one shard of finished tensors.
 
-Per method: svd, asvd, svdllm factorize with uniform ranks (``--allocate`` needs every layer's spectrum before
-the first rank is chosen, so it does not stream); tucker and cp decompose each projection's head tensor (at a
+Per method: svd, asvd, svdllm factorize each unit at its rank (``--allocate`` needs every layer's spectrum
+before the first rank is chosen: a first pass over the layers, ``surveys``, collects them); tucker and cp decompose each projection's head tensor (at a
 Tucker ``--ratio`` the mode ranks are chosen per projection on its fitted tensor, so those tensors' shapes are
 known only once the layer is done); stacked Tucker fits each layer's q, k, v, o together; Loki adds its key
 bases beside the layer's unchanged weights.
@@ -57,6 +57,8 @@ def compress_streamed(
     method = method_of(plan)
     if refusal := method.plan_stream_refusal(plan):
         raise ValueError(refusal)
+    if method.needs_survey(plan):
+        method.surveyed(plan, surveys(reader, source_config, family, windows, plan, device))
     config = written_config(source_config, method.planned_surgery(plan, family), dtype)
     planned = planned_tensors(CLASSES[source_config.model_type][1], config, dtype)
     late = factor_names(planned) if method.shapes_known_late(plan) else ()
@@ -67,11 +69,9 @@ def compress_streamed(
             progress(start.layer)
         inv_freq = rotary_embedding(source_config).inv_freq
         records, unconverged = list(start.errors), []
-        hooked = (family.attention_attr, f"{family.attention_attr}.{family.o_proj}")
-        for index, layer, (x, o), stream in streamed_layers(reader, source_config, family, start.stream, hooked, device,
-                                                            start.layer):
-            context = LayerContext(getattr(layer, family.attention_attr), x.offloaded(), o.offloaded(), inv_freq,
-                                   source_config.num_attention_heads, source_config.num_key_value_heads, windows.shape[1])
+        for index, layer, (x, o), stream in streamed_layers(reader, source_config, family, start.stream, hooked(family),
+                                                            device, start.layer):
+            context = layer_context(layer, x, o, inv_freq, source_config, family, windows.shape[1])
             tensors = method.operate_layer(plan, family, index, context, seed)
             records += tensors.records
             unconverged += tensors.unconverged
@@ -84,6 +84,29 @@ def compress_streamed(
     method.warn_capped(plan, unconverged, len(records) - len(start.errors))
     errors = method.apply_records(plan, records)
     return written_config(source_config, method.surgery(plan, family), dtype), errors
+
+
+def hooked(family: Family) -> tuple[str, str]:
+    """The submodules whose inputs a compress method's statistics are of: the attention and its o_proj."""
+    return family.attention_attr, f"{family.attention_attr}.{family.o_proj}"
+
+
+def layer_context(layer, x, o, inv_freq: torch.Tensor, source_config: PretrainedConfig, family: Family,
+                  seq_len: int) -> LayerContext:
+    return LayerContext(getattr(layer, family.attention_attr), x.offloaded(), o.offloaded(), inv_freq,
+                        source_config.num_attention_heads, source_config.num_key_value_heads, seq_len)
+
+
+@torch.no_grad()
+def surveys(reader: CheckpointReader, source_config: PretrainedConfig, family: Family, windows: torch.Tensor, plan: Plan,
+            device: torch.device | None = None) -> list:
+    """A first pass over every layer, one in memory at a time, for a plan that needs every layer seen before it
+    operates on any (``CompressMethod.needs_survey``): each layer's ``survey_layer``."""
+    method = method_of(plan)
+    embeddings = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")[windows].float()
+    inv_freq = rotary_embedding(source_config).inv_freq
+    return [method.survey_layer(plan, index, layer_context(layer, x, o, inv_freq, source_config, family, windows.shape[1]))
+            for index, layer, (x, o), _ in streamed_layers(reader, source_config, family, embeddings, hooked(family), device)]
 
 
 def written_config(source_config: PretrainedConfig, surgery: dict, dtype: torch.dtype) -> PretrainedConfig:

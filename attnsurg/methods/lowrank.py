@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
@@ -184,13 +184,6 @@ class LowRankSettings(CompressSettings):
     @classmethod
     def _projection_names(cls, value) -> tuple[str, ...]:
         return targets_of(value)
-
-    @model_validator(mode="after")
-    def _stream_with_uniform_ranks(self):
-        if self.stream and self.allocate:
-            raise ValueError("allocate (--allocate) needs every layer's spectrum before the first rank is chosen, so "
-                             "it does not stream (--stream); drop one of them")
-        return self
 
 
 def plan_units(anatomy: AttentionAnatomy, targets: tuple[str, ...], kv_latent: bool) -> list[Unit]:
@@ -420,8 +413,14 @@ class LowRank(CompressMethod):
             tensors.records.append(decomposition.relative_error(rank))
         return tensors
 
-    def plan_stream_refusal(self, plan: LowRankPlan) -> str | None:
-        return "allocated ranks need every layer's spectrum first; stream with uniform ranks" if plan.allocate else None
+    def needs_survey(self, plan: LowRankPlan) -> bool:
+        return plan.allocate  # the ranks are allocated over every unit's spectrum
+
+    def survey_layer(self, plan: LowRankPlan, index: int, context: LayerContext) -> list[torch.Tensor]:
+        return [decompose(unit, context, plan.method, plan.weighted).S for unit in plan.units if unit.layer == index]
+
+    def surveyed(self, plan: LowRankPlan, surveys: list[list[torch.Tensor]]) -> None:
+        plan.ranks = allocated_ranks(plan.units, [spectrum for layer in surveys for spectrum in layer], plan.ranks)
 
     def plan_record(self, plan, anatomy: AttentionAnatomy) -> dict:
         return factorized_record(plan, anatomy)

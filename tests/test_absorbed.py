@@ -77,6 +77,20 @@ def test_a_prefill_in_two_chunks_and_single_steps_agree_with_stock(nope_width):
         assert (stock - absorbed).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("length", [1, 2, 5, 16, 17, 30])
+def test_a_short_prompt_alone_gives_the_stock_logits(length):
+    """A prompt of a few tokens with no cache and no mask (a facts question, a chat turn): the plain-matmul
+    path must be causal by itself, as SDPA's is_causal is on the longer one."""
+    model = tiny_mla("llama", "native", "standard")
+    ids = torch.randint(0, 384, (2, length), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        use_runtime(model, "stock")
+        stock = model(ids).logits
+        use_runtime(model, "attnsurg")
+        absorbed = model(ids).logits
+    assert (stock - absorbed).abs().max() < 1e-4
+
+
 def test_decode_never_expands_the_cached_latent(monkeypatch):
     """Neither stock's expansion nor kv_b_proj's forward runs: the up-projections act on queries and outputs."""
     model = tiny_mla("llama", "native", "standard")

@@ -72,6 +72,8 @@ class AbsorbedMLAAttention(DeepseekV3Attention):
         q_latent = torch.matmul(q_pass, w_uk)  # [B, H, S, r]
         mask = key_mask(attention_mask, seq_length, latent.shape[2], latent.device)
         if seq_length <= MATMUL_QUERIES:
+            if mask is None and seq_length > 1:  # SDPA's is_causal has no counterpart in the plain matmuls
+                mask = causal_tail(seq_length, latent.shape[2], latent.device)
             mixed = latent_attention_matmul(q_latent, q_rot, latent, k_rot, mask, self.scaling)
         else:
             mixed = latent_attention_sdpa(q_latent, q_rot, latent, k_rot, mask, self.scaling)

@@ -57,7 +57,7 @@ class MLASettings(Strict):
     split: Literal["rule", "measured"] = "rule"  # measured: the RoPE width scored on held-out calibration windows
     format: Literal["native", "exact"] = "native"
     engine: Literal["transformers", "llama.cpp", "vllm", "sglang"] | None = None  # refuse what it would not run
-    nope_width: Literal["latent", "head"] = "latent"  # head: head_dim-wide no-RoPE heads (fewer parameters)
+    nope_width: Literal["latent", "head"] = "head"  # latent: no-RoPE heads as wide as the latent (more parameters)
     weighted: bool = True
     token_weights: Literal["uniform", "received"] = "uniform"  # received: the cache fitted on the attention each token receives
     refine_steps: int = Field(60, ge=0)

@@ -531,8 +531,8 @@ def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_
     anatomy = inspect_config(model.config)
     with pytest.raises(UserError, match=r"this plan has 193 \(--kv-rank 255 --rope-dim 64 gives 320 \(83% of the cache\)\)"):
         plan_mla(anatomy, kv_budget=0.5, engine="vllm")
-    padded = plan_mla(anatomy, kv_rank=255, rope_dim=64, engine="vllm")
-    plain = plan_mla(anatomy, kv_rank=255, rope_dim=64)
+    padded = plan_mla(anatomy, kv_rank=255, rope_dim=64, engine="vllm", nope_width="latent")
+    plain = plan_mla(anatomy, kv_rank=255, rope_dim=64, nope_width="latent")
     assert (plain.qk_nope_dim, plain.head_dim) == (128, 64) and padded.written_dims == (128, 128)
     windows = torch.randint(0, 384, (4, 48), generator=torch.Generator().manual_seed(0))
     converted = convert(model, LLAMA, windows, padded).model

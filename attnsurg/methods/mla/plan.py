@@ -47,7 +47,7 @@ class MLAPlan:
     query_bias: bool = False  # the source has query biases
     format: str = "native"
     engine: str | None = None  # the engine the checkpoint is laid out for (vLLM: padded head dims, untied lm_head)
-    nope_width: str = "latent"  # per-head no-RoPE query/key width: "latent" (refinement's headroom) or "head"
+    nope_width: str = "head"  # per-head no-RoPE query/key width: "head" (head_dim) or "latent" (the latent's width)
     rope_fold: int = 1  # consecutive frequencies that share one RoPE frequency (FreqFold; standard layout)
 
     @property
@@ -178,7 +178,7 @@ def plan_mla(
     layout: str = "standard",
     format: str = "native",
     engine: str | None = None,
-    nope_width: str = "latent",
+    nope_width: str = "head",
     rope_fold: int | None = None,
 ) -> MLAPlan:
     """Turn a budget (fraction of the original KV cache) or explicit sizes into a plan; clear errors otherwise."""

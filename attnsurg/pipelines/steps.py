@@ -262,7 +262,10 @@ def streams(asked: bool | None, refusal: str | None) -> bool:
     return refusal is None if asked is None else asked
 
 
-def start_streamed(job: Job, source, anatomy: AttentionAnatomy):
+LayerReader = CheckpointReader | UnfusedReader  # a source's tensors one at a time, as the family surgery operates on
+
+
+def start_streamed(job: Job, source, anatomy: AttentionAnatomy) -> tuple[Surgery, PretrainedConfig, torch.dtype, LayerReader]:
     """A surgery that reads the source one decoder layer at a time (``streams``): its tokenizer and windows, the
     config of the family it operates on, the dtype the output is written in (the source's) and the reader of the
     source's tensors."""

@@ -339,6 +339,10 @@ def streamed_input_statistics(reader, config, family: Family, windows: torch.Ten
                               hooked: tuple[str, ...] = ("self_attn", "self_attn.o_proj"), device: torch.device | None = None):
     """Per layer, the input statistics of the ``hooked`` submodules of each decoder layer over the windows, with
     one layer in memory at a time (``streamed_layers``). Equals ``input_statistics`` on the loaded model."""
-    embeddings = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")
     return [[s.offloaded() for s in stats]
-            for _, _, stats, _ in streamed_layers(reader, config, family, embeddings[windows].float(), hooked, device)]
+            for _, _, stats, _ in streamed_layers(reader, config, family, embedded(reader, family, windows), hooked, device)]
+
+
+def embedded(reader, family: Family, windows: torch.Tensor) -> torch.Tensor:
+    """The windows' token embeddings ([n, L, D], float32) read from a checkpoint: the first decoder layer's input."""
+    return reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")[windows].float()

@@ -23,7 +23,7 @@ import torch
 from transformers import PretrainedConfig
 
 from attnsurg.arch.families import Family
-from attnsurg.calibrate import streamed_layers
+from attnsurg.calibrate import embedded, streamed_layers
 from attnsurg.io.lazy import CheckpointReader, rotary_embedding
 from attnsurg.io.resume import LayerCheckpoints, start_stream
 from attnsurg.io.shards import ShardWriter, planned_tensors
@@ -103,10 +103,10 @@ def surveys(reader: CheckpointReader, source_config: PretrainedConfig, family: F
     """A first pass over every layer, one in memory at a time, for a plan that needs every layer seen before it
     operates on any (``CompressMethod.needs_survey``): each layer's ``survey_layer``."""
     method = method_of(plan)
-    embeddings = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")[windows].float()
     inv_freq = rotary_embedding(source_config).inv_freq
     return [method.survey_layer(plan, index, layer_context(layer, x, o, inv_freq, source_config, family, windows.shape[1]))
-            for index, layer, (x, o), _ in streamed_layers(reader, source_config, family, embeddings, hooked(family), device)]
+            for index, layer, (x, o), _ in streamed_layers(reader, source_config, family, embedded(reader, family, windows),
+                                                          hooked(family), device)]
 
 
 def written_config(source_config: PretrainedConfig, surgery: dict, dtype: torch.dtype) -> PretrainedConfig:

@@ -225,15 +225,15 @@ def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: boo
     """Refuse an existing output first (nothing is loaded for a request that cannot be written), seed, load
     the source (without ``load_weights``: its tokenizer only, for a streamed surgery) and cut the calibration
     windows."""
-    check_output_path(job.output, job.overwrite)
+    check_output_path(job.recipe.output, job.overwrite)
     device = surgery_device(job.device, anatomy) if load_weights else resolve_device(job.device)
-    fetch_domains(domain_texts(job.calibration.data, job.eval_domains, job.eval_tokens))
-    set_seed(job.seed)
+    fetch_domains(domain_texts(job.recipe.calibration.data, job.recipe.eval.domains, job.recipe.eval.tokens))
+    set_seed(job.recipe.seed)
     started = time.perf_counter()
     family = family_for_surgery(anatomy.model_type)
-    tokenizer = load_tokenizer(source, job.model.trust_remote_code)
-    windows = source_windows(tokenizer, job.calibration, anatomy)  # a text too short fails before the weights load
-    model = load_source_model(job.model, source) if load_weights else None
+    tokenizer = load_tokenizer(source, job.recipe.model.trust_remote_code)
+    windows = source_windows(tokenizer, job.recipe.calibration, anatomy)  # a text too short fails before the weights load
+    model = load_source_model(job.recipe.model, source) if load_weights else None
     return Surgery(family, model, tokenizer, windows, started, device)
 
 
@@ -246,10 +246,10 @@ def stream_refusal(job: Job, source, anatomy: AttentionAnatomy) -> str | None:
         return (f"--stream runs each layer with one RoPE and a causal mask, and {anatomy.model_type} mixes layer types; "
                 "drop --stream")
     if source.kind not in ("dir", "builtin"):
-        return (f"--stream reads a local safetensors checkpoint directory, and '{job.model.ref}' is a {source.kind} "
+        return (f"--stream reads a local safetensors checkpoint directory, and '{job.recipe.model.ref}' is a {source.kind} "
                 "source; convert it to a directory first, or drop --stream")
     if not reads_lazily(Path(source.path)):
-        return (f"--stream reads safetensors weights a tensor at a time, and '{job.model.ref}' has none (pickle "
+        return (f"--stream reads safetensors weights a tensor at a time, and '{job.recipe.model.ref}' has none (pickle "
                 "weights); drop --stream")
     return None
 
@@ -270,7 +270,7 @@ def start_streamed(job: Job, source, anatomy: AttentionAnatomy) -> tuple[Surgery
     config of the family it operates on, the dtype the output is written in (the source's) and the reader of the
     source's tensors."""
     surgery = start_surgery(job, source, anatomy, load_weights=False)
-    stored = load_config(source, job.model.trust_remote_code)
+    stored = load_config(source, job.recipe.model.trust_remote_code)
     reader = CheckpointReader(Path(source.path))
     if stored.model_type in UNFUSED_AS:  # read as the family it equals, each fused tensor split on read
         reader, config = UnfusedReader(reader, stored), unfused_config(stored)
@@ -319,11 +319,11 @@ ScoredText = tuple[str, Tokens, list[Window]]  # a text's name, its tokens and t
 def scored_texts(tokenizer, job: Job, anatomy: AttentionAnatomy) -> list[ScoredText]:
     """The windows every before/after score uses: the calibration text's eval part first, then each domain's
     (none without eval tokens, or on a process that does not score)."""
-    if not job.eval_tokens or not is_main_process():
+    if not job.recipe.eval.tokens or not is_main_process():
         return []
-    first = scored_text(job.calibration.data)
-    texts = [first, *domain_texts(job.calibration.data, job.eval_domains, job.eval_tokens)]
-    return [(data.dataset or str(data.text), *scoring_windows(tokenizer, data, job.eval_tokens, anatomy.max_positions))
+    first = scored_text(job.recipe.calibration.data)
+    texts = [first, *domain_texts(job.recipe.calibration.data, job.recipe.eval.domains, job.recipe.eval.tokens)]
+    return [(data.dataset or str(data.text), *scoring_windows(tokenizer, data, job.recipe.eval.tokens, anatomy.max_positions))
             for data in texts]
 
 
@@ -342,9 +342,9 @@ def add_score_rows(info: CardInfo, job: Job, report) -> None:
     """The card's perplexity rows: the calibration text's, then each domain's."""
     if report.ppl_before is None:
         return
-    info.figures.append(perplexity_row(scored_text(job.calibration.data), job.eval_tokens, report.ppl_before,
+    info.figures.append(perplexity_row(scored_text(job.recipe.calibration.data), job.recipe.eval.tokens, report.ppl_before,
                                        report.ppl_after, f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))
-    info.figures.extend(domain_rows(report.domains, job.eval_tokens))
+    info.figures.extend(domain_rows(report.domains, job.recipe.eval.tokens))
 
 
 OPERATED_DIR = "operated"  # inside the heal state directory: the surgery's result, kept until healing is written
@@ -362,7 +362,7 @@ def operated_once(operate: Callable[[], PreTrainedModel], job: Job) -> PreTraine
     recipe = job.recipe
     if recipe.heal is None:
         return operate()
-    shared = heal_state_dir(job.output) / OPERATED_DIR
+    shared = heal_state_dir(job.recipe.output) / OPERATED_DIR
     made_by = dump_recipe(recipe.model_copy(update={"steps": recipe.steps[:1]}))
     if state.is_main_process:
         model = saved_operated(shared, made_by)
@@ -411,8 +411,8 @@ def finish_surgery(
     if recipe.heal is not None:
         before_healing = (perplexity_of(result, *texts[0][1:], "the result before healing", surgery.device)
                           if texts else None)
-        report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, job.seed,
-                                 heal_state_dir(job.output), device=surgery.device)
+        report.heal = heal_model(result, surgery.model, surgery.tokenizer, recipe.heal, job.recipe.seed,
+                                 heal_state_dir(job.recipe.output), device=surgery.device)
         report.heal.ppl_start = before_healing
         if not is_main_process():  # under `accelerate launch`, one process scores and writes
             return
@@ -424,17 +424,17 @@ def finish_surgery(
     report.peak_memory_gb = peak_memory_gb()
     files = {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})}
     info = card()
-    info.license = info.license or source_license(job.model.ref)
+    info.license = info.license or source_license(job.recipe.model.ref)
     info.remote_code = bool(getattr(result.config, "auto_map", None))
-    if note := source_note(job.model.ref):
+    if note := source_note(job.recipe.model.ref):
         info.details.insert(0, note)
     info.figures[:0] = parameter_rows(surgery.model, result, surgery.family.attention_attr)
     add_score_rows(info, job, report)
     if report.heal is not None:
         add_healing(info, report.heal, recipe.heal, report.ppl_before)
-    report.written = str(write_checkpoint(result, surgery.tokenizer, job.output, info, job.overwrite, extra_files=files))
+    report.written = str(write_checkpoint(result, surgery.tokenizer, job.recipe.output, info, job.overwrite, extra_files=files))
     if recipe.heal is not None:
-        remove_heal_state(heal_state_dir(job.output))
+        remove_heal_state(heal_state_dir(job.recipe.output))
 
 
 def perplexity_row(data: TextData, eval_tokens: int, before: float, after: float, note: str = "") -> dict[str, str]:

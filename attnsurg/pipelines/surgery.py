@@ -40,17 +40,17 @@ STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard i
 
 def planned(job: Job):
     """The source, its anatomy and the report holding the method's plan; nothing is loaded."""
-    source, _, anatomy = inspect_model(job.model)
+    source, _, anatomy = inspect_model(job.recipe.model)
     method = job.method
     plan = method.plan(anatomy, job.settings)
-    method.check_calibration(job.settings, job.calibration)
+    method.check_calibration(job.settings, job.recipe.calibration)
     return source, anatomy, method.report_type(plan, anatomy)
 
 
 def run_surgery(job: Job, dry_run: bool = False) -> SurgeryReport:
     """Operate (and heal, when the recipe has a heal step); with ``dry_run`` only plan."""
     source, anatomy, report = planned(job)
-    check_calibration(job.calibration, anatomy, read_text=dry_run)  # a run reads it before the weights load
+    check_calibration(job.recipe.calibration, anatomy, read_text=dry_run)  # a run reads it before the weights load
     if dry_run:
         return report
     refusal = job.method.stream_refusal(job.settings, report.plan) or stream_refusal(job, source, anatomy)
@@ -63,7 +63,7 @@ def run_surgery(job: Job, dry_run: bool = False) -> SurgeryReport:
 
 
 def inputs_of(surgery: Surgery, job: Job) -> SurgeryInputs:
-    return SurgeryInputs(surgery.family, surgery.windows, job.calibration, surgery.device, job.seed)
+    return SurgeryInputs(surgery.family, surgery.windows, job.recipe.calibration, surgery.device, job.recipe.seed)
 
 
 def operate(surgery: Surgery, job: Job, report: SurgeryReport) -> PreTrainedModel:
@@ -82,7 +82,7 @@ def run_streamed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryRep
     surgery, config, dtype, reader = start_streamed(job, source, anatomy)
     fingerprint = settings_fingerprint(job.recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows,
                                        Path(source.path))
-    with resumable_checkpoint(job.output, job.overwrite, fingerprint) as checkpoints:
+    with resumable_checkpoint(job.recipe.output, job.overwrite, fingerprint) as checkpoints:
         target = StreamTarget(checkpoints.directory, dtype, STREAM_SHARD_SIZE, checkpoints)
         label = f"{job.method.progress_label(job.settings)} (streamed)"
         started = time.perf_counter()
@@ -92,7 +92,7 @@ def run_streamed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryRep
         report.operation_seconds = time.perf_counter() - started
         finish_streamed(target.directory, written, source, surgery, job, report, lambda: card(job, report),
                         job.method.extra_files())
-    report.written = str(job.output)
+    report.written = str(job.recipe.output)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()
     return report
@@ -100,11 +100,11 @@ def run_streamed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryRep
 
 def card(job: Job, report: SurgeryReport) -> CardInfo:
     """The method's card text, with the model and the command."""
-    text = job.method.card_text(job.settings, report, job.calibration, healing_note(report))
+    text = job.method.card_text(job.settings, report, job.recipe.calibration, healing_note(report))
     return CardInfo(
-        title=f"{job.model.ref} {text.title}",
+        title=f"{job.recipe.model.ref} {text.title}",
         summary=text.summary,
-        base_model=base_model_id(job.model.ref),
+        base_model=base_model_id(job.recipe.model.ref),
         tags=text.tags,
         command=command_line(),
         details=text.details,

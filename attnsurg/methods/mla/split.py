@@ -20,7 +20,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
-from attnsurg.calibrate import InputStatistics, captured_inputs, causal_mask, streamed_layers
+from attnsurg.calibrate import InputStatistics, captured_inputs, causal_mask, embedded, streamed_layers
 from attnsurg.io.lazy import rotary_embedding
 from attnsurg.errors import UserError
 from attnsurg.methods.mla.assemble import deepseek_config
@@ -137,8 +137,7 @@ def streamed_split(reader, source_config: PretrainedConfig, family: Family, wind
     choice = SplitChoice(candidates)
     if len(candidates) == 1:
         return choice
-    embeddings = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")
-    fit, held = embeddings[windows[:-SPLIT_HELD_OUT]].float(), embeddings[windows[-SPLIT_HELD_OUT:]].float()
+    fit, held = embedded(reader, family, windows[:-SPLIT_HELD_OUT]), embedded(reader, family, windows[-SPLIT_HELD_OUT:])
     hooked, weighed = (family.attention_attr,), (family.attention_attr,) if received else ()
     fitted = streamed_layers(reader, source_config, family, fit, hooked, device, received=weighed,
                              starts=None if starts is None else starts[:-SPLIT_HELD_OUT])

@@ -45,7 +45,20 @@ def refined_share(calibration_tokens: int) -> int:
     return calibration_tokens // 2
 
 
-class MLASettings(Strict):
+class ConvertSettings(Strict):
+    """A ``convert`` step: ``to`` names the target attention, whose settings class (a subclass, registered with
+    its method in ``attnsurg.methods.base``) holds the rest; unwritten, the target is MLA."""
+
+    to: str
+    stream: bool | None = None  # one source layer in memory at a time; None: whenever the run allows it (``pipelines.steps.stream_refusal``)
+
+    @classmethod
+    def accepts(cls, key: str) -> bool:
+        """Whether ``key`` is an input of this target's settings (a command-line option it takes)."""
+        return key in cls.model_fields
+
+
+class MLASettings(ConvertSettings):
     """``convert --to mla``: the KV budget as a fraction, or as a latent rank plus RoPE dims."""
 
     to: Literal["mla"] = "mla"
@@ -65,7 +78,6 @@ class MLASettings(Strict):
     refine_lr: float = Field(1e-3, gt=0)
     refine_schedule: Literal["constant", "cosine"] = "constant"
     short_prompts: float = Field(0.0, ge=0, lt=1)  # share of each calibration window cut into short prompts
-    stream: bool | None = None  # one source layer in memory at a time; None: whenever the run allows it (``pipelines.steps.stream_refusal``)
 
 
 class CompressSettings(Strict):
@@ -153,8 +165,22 @@ def compress_settings(value, handler) -> CompressSettings:
     return settings.model_validate(value)
 
 
+def convert_settings(value, handler) -> ConvertSettings:
+    """A convert step's settings, validated by the class its ``to`` registered (MLA's when unwritten)."""
+    from attnsurg.methods.base import convert_target_names, settings_for_target
+
+    if isinstance(value, ConvertSettings):
+        return value
+    target = value.get("to", "mla") if isinstance(value, dict) else None
+    settings = settings_for_target(target) if isinstance(target, str) else None
+    if settings is None:
+        raise PydanticCustomError("convert_target", "convert needs to: one of {targets}",
+                                  {"targets": ", ".join(convert_target_names())})
+    return settings.model_validate(value)
+
+
 class ConvertStep(Strict):
-    convert: MLASettings
+    convert: Annotated[SerializeAsAny[ConvertSettings], WrapValidator(convert_settings)]
 
 
 class CompressStep(Strict):
@@ -165,9 +191,9 @@ class HealStep(Strict):
     heal: HealSettings
 
 
-def surgery_step(settings: MLASettings | CompressSettings) -> ConvertStep | CompressStep:
+def surgery_step(settings: ConvertSettings | CompressSettings) -> ConvertStep | CompressStep:
     """The recipe step that holds these settings."""
-    return ConvertStep(convert=settings) if isinstance(settings, MLASettings) else CompressStep(compress=settings)
+    return ConvertStep(convert=settings) if isinstance(settings, ConvertSettings) else CompressStep(compress=settings)
 
 
 STEP_KINDS = ("convert", "compress", "heal")
@@ -231,7 +257,7 @@ class Recipe(Strict):
         return self
 
     @property
-    def surgery(self) -> MLASettings | CompressSettings | None:
+    def surgery(self) -> ConvertSettings | CompressSettings | None:
         for step in self.steps:
             if isinstance(step, ConvertStep):
                 return step.convert

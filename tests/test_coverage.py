@@ -15,7 +15,8 @@ def test_supported_families_are_exact_and_refusals_name_the_feature():
     for family in ("Llama 2 / SmolLM (llama)", "Llama 3.x (llama3 RoPE scaling)", "Mistral", "Qwen2 / Qwen2.5 (q/k/v biases)",
                    "Qwen3 (q/k norms)", "Phi-3 (fused qkv)"):
         row = matrix[family]
-        assert all(row[m] == "exact" for m in row if m != "mla")
+        assert all(row[m] == "exact" for m in row if m not in ("mla", "linear"))
+        assert row["linear"] == "exact with a window as long as the context"
         family_for_surgery(FAMILY_CONFIGS[family]().model_type)  # a surgery adapter exists for it
         if "Qwen3" in family:
             assert row["mla"] == "fitted: q/k norms linearised, then refined"
@@ -25,6 +26,7 @@ def test_supported_families_are_exact_and_refusals_name_the_feature():
         row = matrix[family]
         assert all(row[m] == "exact" for m in ("svd", "asvd", "svdllm", "tucker", "cp", "loki")), row
         assert row["mla"] == "refused: sliding-window attention cannot be expressed as MLA", row
+        assert row["linear"].startswith("refused: "), row
 
 
 def test_info_methods_prints_the_matrix_without_a_model():

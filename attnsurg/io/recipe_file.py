@@ -82,6 +82,11 @@ def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
             if method is not None:
                 loc += ("method",)
                 first["msg"] = f"unknown method {method!r}; choose from {first['ctx']['methods']}"
+        if first["type"] == "convert_target":  # an unknown target: point at its key
+            loc = input_path(first["loc"][:-1], data)
+            if isinstance(value_at(data, loc), dict) and "to" in value_at(data, loc):
+                first["msg"] = f"unknown target {value_at(data, loc)['to']!r}; choose from {first['ctx']['targets']}"
+                loc += ("to",)
         line = line_of(root, loc)
         where = f"{name}:{line}" if line else name
         field = format_loc(loc)

@@ -307,6 +307,20 @@ def settings_for_method(name: str) -> type[CompressSettings] | None:
     return next((method.settings for method in compress_methods() if name in method.names), None)
 
 
+def convert_methods() -> list[SurgeryMethod]:
+    return [method for method in SURGERY_METHODS if method.step == "convert"]
+
+
+def convert_target_names() -> list[str]:
+    """Every ``--to`` value, in the order the methods registered."""
+    return list(dict.fromkeys(name for method in convert_methods() for name in method.names))
+
+
+def settings_for_target(name: str) -> type | None:
+    """The settings class of the convert target named ``name``, or None when no method answers to it."""
+    return next((method.settings for method in convert_methods() if name in method.names), None)
+
+
 def method_for(settings) -> SurgeryMethod:
     """The method that runs these settings (a recipe's surgery step)."""
     return next(method for method in SURGERY_METHODS if method.handles(settings))

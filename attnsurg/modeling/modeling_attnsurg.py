@@ -21,6 +21,9 @@ A checkpoint keeps its family's architecture and records its surgery in ``config
   latent, not K and V; keys are rebuilt from it and rotated afterwards (Palu, Chang et al. 2024, sec. 3).
 - ``loki``: {"rank": r, "top_k": count or fraction}: every layer scores keys with r PCA coordinates and
   attends over its top-k (:class:`LokiAttention`).
+- ``linear``: {"window": w, "feature_dim": F}: every layer attends exactly over its last w keys and through a
+  learned feature map over the older ones, whose keys and values are folded into a fixed-size state
+  (:class:`HybridLinearAttention`); the cache holds the window and the state, whatever the context's length.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers import (
+    DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -45,6 +49,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as soft_capped_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -571,6 +576,134 @@ class LokiAttention(AttentionBase):
         return torch.einsum("bgqk,bgqkd->bgqd", weights, rest_top[..., d - r :]).reshape(batch, 1, -1)
 
 
+LINEAR_CHUNK = 256  # new tokens a hybrid linear attention takes at once: prefill cost O(T (w + chunk))
+
+
+def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Hedgehog's feature map (Zhang et al. 2024, eq. 5): [softmax(x W + b), softmax(-(x W + b))] per head;
+    x [B, heads, T, d], weight [heads, d, F], bias [heads, F] -> [B, heads, T, 2F], computed in float32."""
+    projected = torch.einsum("bhtd,hdf->bhtf", x.float(), weight.float()) + bias.float()[None, :, None]
+    return torch.cat([torch.softmax(projected, dim=-1), torch.softmax(-projected, dim=-1)], dim=-1)
+
+
+class LinearStateLayer(DynamicSlidingWindowLayer):
+    """One hybrid linear layer's cache: the last ``window`` keys and values (the sliding window layer holds
+    ``sliding_window - 1`` of them) and the state of every older key, S = sum_j phi(k_j) v_j^T [B, G, 2F, d]
+    and z = sum_j phi(k_j) [B, G, 2F], both float32. Its length counts every token seen."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__(sliding_window=window + 1)
+        self.state: torch.Tensor | None = None
+        self.normalizer: torch.Tensor | None = None
+
+
+def linear_cache_layer(cache, layer_idx: int, window: int) -> LinearStateLayer:
+    """This layer's slot of a dynamic cache as a :class:`LinearStateLayer` (placed there on first use)."""
+    if not isinstance(cache, DynamicCache):
+        raise ValueError("attnsurg's linear attention needs a dynamic cache (DynamicCache)")
+    while len(cache.layers) <= layer_idx:
+        cache.layers.append(LinearStateLayer(window))
+    if not isinstance(cache.layers[layer_idx], LinearStateLayer):
+        if cache.layers[layer_idx].is_initialized:
+            raise ValueError("this cache was filled by another attention; start from an empty DynamicCache")
+        cache.layers[layer_idx] = LinearStateLayer(window)
+    return cache.layers[layer_idx]
+
+
+def hybrid_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_features: torch.Tensor,
+    key_features: torch.Tensor, window: int, scaling: float, linear_scale: torch.Tensor,
+    state: torch.Tensor | None = None, normalizer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LoLCATs' sliding-window + linear attention (Zhang et al. 2024, eq. 6) for the last T of S keys.
+
+    query [B, H, T, d] and its features [B, H, T, 2F]; key, value [B, G, S, d] and the keys' features
+    [B, G, S, 2F], the queries being the last T of the S positions. Query i weighs key j by exp(s_ij - m_i)
+    when i - j < window (s_ij = q_i . k_j * scaling, m_i the largest such score) and by
+    exp(linear_scale_h) phi(q_i) . phi(k_j) when older; ``state``/``normalizer`` ([B, G, 2F, d], [B, G, 2F])
+    hold the sums over keys older than the S given, which are all older than the window. One normalisation
+    over both parts. Returns [B, H, T, d] in float32."""
+    length, total = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    q, f_q = query.float(), query_features
+    k, v, f_k = (repeat_heads(t.float(), groups) for t in (key, value, key_features))
+    distance = torch.arange(total - length, total, device=q.device)[:, None] - torch.arange(total, device=q.device)
+    in_window = (distance >= 0) & (distance < window)
+    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~in_window, float("-inf"))
+    exact = torch.exp(scores - scores.amax(-1, keepdim=True))
+    scale = linear_scale.float().exp()[None, :, None, None]
+    linear = (f_q @ f_k.transpose(-1, -2)).masked_fill(~(distance >= window), 0.0) * scale
+    weights = exact + linear
+    numerator, denominator = weights @ v, weights.sum(-1, keepdim=True)
+    if state is not None:
+        f_scaled = f_q * scale
+        numerator = numerator + f_scaled @ repeat_heads(state, groups)
+        denominator = denominator + (f_scaled * repeat_heads(normalizer, groups)[:, :, None]).sum(-1, keepdim=True)
+    return numerator / denominator
+
+
+class HybridLinearAttention(AttentionBase):
+    """The source's projections, with softmax attention over the last ``window`` keys and a linear attention
+    through learned Hedgehog feature maps (per query head ``feature_q``, per KV head ``feature_k``) over
+    every older key (LoLCATs, Zhang et al. 2024). Decode costs the same at any context length: the cache
+    (:class:`LinearStateLayer`) holds the window and a fixed-size state, and new tokens are taken
+    LINEAR_CHUNK at a time, so a prompt's cost grows linearly with its length."""
+
+    def __init__(self, config, layer_idx: int, q_proj, k_proj, v_proj, o_proj, window: int, feature_dim: int):
+        super().__init__(config, layer_idx)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.window, self.feature_dim = window, feature_dim
+        heads, d = config.num_attention_heads, self.head_dim
+        self.feature_q = nn.Parameter(torch.zeros(heads, d, feature_dim))
+        self.feature_q_bias = nn.Parameter(torch.zeros(heads, feature_dim))
+        self.feature_k = nn.Parameter(torch.zeros(self.num_key_value_heads, d, feature_dim))
+        self.feature_k_bias = nn.Parameter(torch.zeros(self.num_key_value_heads, feature_dim))
+        self.linear_scale = nn.Parameter(torch.zeros(heads))  # log of the linear part's weight, per query head
+
+    def rotated(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
+        """Queries [B, H, T, d], keys and values [B, G, T, d], as the family's attention forms them."""
+        batch, length, _ = hidden_states.shape
+        shape = (batch, length, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        query, key = self.normed(query, key)
+        cos, sin = position_embeddings
+        return apply_rope(query, cos, sin), apply_rope(key, cos, sin), value
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
+        cache = cache if cache is not None else past_key_values
+        mask = key_mask(attention_mask, attention_mask.shape[-1]) if attention_mask is not None else None
+        if mask is not None and not bool(mask[..., -1, :].all()):
+            raise ValueError("attnsurg's linear attention does not take padded batches; run one sequence at a time")
+        batch, length, _ = hidden_states.shape
+        query, key, value = self.rotated(hidden_states, position_embeddings)
+        layer = linear_cache_layer(cache if cache is not None else DynamicCache(), self.layer_idx, self.window)
+        outputs = []
+        for start in range(0, length, LINEAR_CHUNK):
+            chunk = slice(start, min(start + LINEAR_CHUNK, length))
+            outputs.append(self.chunk_step(layer, query[:, :, chunk], key[:, :, chunk], value[:, :, chunk]))
+        output = torch.cat(outputs, dim=2).to(hidden_states.dtype)
+        return self.o_proj(output.transpose(1, 2).reshape(batch, length, -1)), None
+
+    def chunk_step(self, layer: LinearStateLayer, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> torch.Tensor:
+        """New tokens against the window before them and the state; keys that leave the window join the state."""
+        keys, values = layer.update(key, value)  # the window before these tokens, then these tokens
+        key_features = hedgehog(keys, self.feature_k, self.feature_k_bias)
+        output = hybrid_attention(query, keys, values, hedgehog(query, self.feature_q, self.feature_q_bias),
+                                  key_features, self.window, self.scaling, self.linear_scale, layer.state,
+                                  layer.normalizer)
+        leaving = keys.shape[2] - self.window
+        if leaving > 0:
+            state = key_features[:, :, :leaving].transpose(-1, -2) @ values[:, :, :leaving].float()
+            normalizer = key_features[:, :, :leaving].sum(2)
+            layer.state = state if layer.state is None else layer.state + state
+            layer.normalizer = normalizer if layer.normalizer is None else layer.normalizer + normalizer
+        return output
+
+
 def apply_surgery(model: nn.Module, surgery: dict) -> None:
     """Replace the modules that ``surgery`` (``config.attnsurg``) names with their factorized forms."""
     layers = model.model.layers
@@ -597,6 +730,12 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
             rank = loki["rank"][index] if isinstance(loki["rank"], list) else loki["rank"]  # per layer or one
             layer.self_attn = LokiAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
                                             int(rank), loki["top_k"])
+    linear = surgery.get("linear")
+    if linear:
+        for index, layer in enumerate(layers):
+            old = layer.self_attn
+            layer.self_attn = HybridLinearAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
+                                                    int(linear["window"]), int(linear["feature_dim"]))
     for index, spec in (surgery.get("stacked_tucker") or {}).items():
         layer = layers[int(index)]
         old = layer.self_attn

@@ -1,0 +1,214 @@
+"""``convert --to linear``: its settings, plan, operation layer by layer and report."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import Field
+from transformers import PretrainedConfig, PreTrainedModel
+
+from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.families import llama_like_reason
+from attnsurg.errors import UserError
+from attnsurg.methods import MethodSpec, register
+from attnsurg.methods.base import CardText, Progress, StreamTarget, SurgeryInputs, SurgeryMethod, SurgeryReport, register_method
+from attnsurg.methods.factorized import assemble_factorized
+from attnsurg.methods.linear.transfer import LayerTransfer, Transfer, TransferError
+from attnsurg.recipe import ConvertSettings
+from attnsurg.requests import Calibration
+
+NAME = "linear"
+HELD_OUT_SHARE = 1 / 8  # calibration windows held out of the fit (the last ones: one of each domain at 48)
+STATE_CONTEXT = 8192  # the context the card compares the state with the original cache at
+LINEAR_CALIBRATION_TOKENS = 24576  # 48 windows of 512: at 12 the feature maps overfit (held-out error 2-4x the fit's)
+
+
+def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
+    if reason := llama_like_reason(anatomy, "convert --to linear"):
+        return reason
+    if anatomy.sliding_window is not None and anatomy.sliding_layers:
+        return "its layers already attend over a sliding window"
+    return None
+
+
+register(MethodSpec(NAME, "hybrid sliding-window + linear attention: a cache of fixed size (LoLCATs)",
+                    unsupported_reason, full_budget="exact with a window as long as the context"))
+
+
+class LinearSettings(ConvertSettings):
+    """``convert --to linear``: softmax attention over the last ``window`` keys, a learned linear attention
+    (Hedgehog feature maps of ``feature_dim`` per half; default head_dim) over the older ones."""
+
+    to: Literal["linear"] = NAME
+    window: int = Field(64, ge=1)
+    feature_dim: int | None = Field(None, ge=1)
+    transfer_steps: int = Field(300, ge=0)
+    transfer_lr: float = Field(1e-2, gt=0)
+
+
+@dataclass
+class LinearPlan:
+    window: int
+    feature_dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def surgery(self) -> dict:
+        return {"format": 1, "method": NAME, "linear": {"window": self.window, "feature_dim": self.feature_dim}}
+
+    def state_values(self, context: int) -> int:
+        """Cached values per layer at ``context`` tokens: the window's keys and values and the state S, z."""
+        return 2 * self.num_kv_heads * self.head_dim * min(context, self.window) + \
+            self.num_kv_heads * 2 * self.feature_dim * (self.head_dim + 1)
+
+    def original_values(self, context: int) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * context
+
+    def added_parameters(self) -> int:
+        """Feature maps and the linear part's weight, per layer."""
+        return (self.num_heads + self.num_kv_heads) * self.feature_dim * (self.head_dim + 1) + self.num_heads
+
+
+def plan_linear(anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPlan:
+    if reason := unsupported_reason(anatomy):
+        raise UserError(f"cannot convert this model to linear attention: {reason}")
+    return LinearPlan(settings.window, settings.feature_dim or anatomy.head_dim, anatomy.num_layers,
+                      anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim)
+
+
+@dataclass
+class LinearReport(SurgeryReport):
+    """Besides every surgery's figures, each layer's attention-transfer error."""
+
+    plan: LinearPlan
+    layer_errors: list[TransferError] = field(default_factory=list)
+
+    def mean_errors(self) -> dict[str, float | None]:
+        def mean(values: list) -> float | None:
+            values = [v for v in values if v is not None]
+            return sum(values) / len(values) if values else None
+
+        return {key: mean([getattr(e, key) for e in self.layer_errors])
+                for key in ("before", "after", "held_before", "held_after", "steps")}
+
+
+def held_out_windows(count: int) -> int:
+    return min(count - 1, math.ceil(count * HELD_OUT_SHARE)) if count > 1 else 0
+
+
+def feature_names(family, index: int) -> str:
+    return f"{family.layers_path}.{index}.{family.attention_attr}."
+
+
+class Linear(SurgeryMethod):
+    names = (NAME,)
+    settings = LinearSettings
+    plan_type = LinearPlan
+    step = "convert"
+    report_type = LinearReport
+    timed_step = "attention transfer"
+    seconds_key = "convert_seconds"
+
+    def name_of(self, settings: LinearSettings) -> str:
+        return settings.to
+
+    def progress_label(self, settings: LinearSettings) -> str:
+        return "Attention transfer"
+
+    def plan(self, anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPlan:
+        return plan_linear(anatomy, settings)
+
+    def stream_refusal(self, settings: LinearSettings, plan: LinearPlan) -> str | None:
+        return "convert --to linear loads the source whole"
+
+    def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings: LinearSettings,
+                      report: LinearReport, progress: Progress = None) -> PreTrainedModel:
+        family, plan, device = inputs.family, report.plan, inputs.device or torch.device("cpu")
+        with torch.no_grad():
+            stream = source.get_input_embeddings()(inputs.windows.to(source.device)).float().to(device)
+        rotary = source.get_submodule(family.rotary_path).to(device)
+        transfer = LayerTransfer(family, rotary, stream)
+        held_out = held_out_windows(len(inputs.windows))
+        added = {}
+        for index, layer in enumerate(source.get_submodule(family.layers_path)):
+            layer.to(device)
+            tensors, errors = transfer.fit(layer, source.config, index, plan.window, plan.feature_dim,
+                                           Transfer(settings.transfer_steps, settings.transfer_lr), held_out, inputs.seed)
+            layer.to("cpu")
+            added.update({feature_names(family, index) + name: t.cpu() for name, t in tensors.items()})
+            report.layer_errors.append(errors)
+            if progress:
+                progress(note=f"layer error {errors.before:.3f} -> {errors.after:.3f}")
+        rotary.to("cpu")
+        return assemble_factorized(source, plan.surgery(), {}, added=added)
+
+    def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings,
+                         report: SurgeryReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:
+        raise NotImplementedError("convert --to linear loads the source whole (stream_refusal)")
+
+    def card_text(self, settings: LinearSettings, report: LinearReport, calibration: Calibration,
+                  healing: str) -> CardText:
+        plan = report.plan
+        ratio = plan.state_values(STATE_CONTEXT) / plan.original_values(STATE_CONTEXT)
+        errors = report.mean_errors()
+        details = [
+            f"window {plan.window} keys of exact softmax attention; Hedgehog feature maps of 2 x {plan.feature_dim} "
+            "per head for every older key",
+            f"attention transfer: {settings.transfer_steps} Adam steps per layer at {settings.transfer_lr:g}, one "
+            f"calibration window each, early-stopped on {held_out_windows(calibration.tokens // calibration.seq_len)} "
+            f"held-out windows; calibration: {calibration.tokens} tokens of the calibration part of "
+            f"{calibration.data.described()}, windows of {calibration.seq_len}; {healing}",
+        ]
+        if errors["held_after"] is not None:
+            details.append(f"mean held-out layer error against softmax attention: {errors['held_before']:.4f} -> "
+                           f"{errors['held_after']:.4f}")
+        return CardText(
+            title=f"with hybrid sliding-window + linear attention (window {plan.window})",
+            summary=("Every layer attends exactly over its last keys and through learned feature maps over all older "
+                     "ones, whose keys and values are folded into a fixed-size state: the cache no longer grows with "
+                     "the context (LoLCATs, Zhang et al. 2024). The source's projections are unchanged."),
+            tags=["linear-attention", "lolcats", "hedgehog"],
+            details=details,
+            figures=[{"metric": f"cached values per layer at {STATE_CONTEXT} tokens",
+                      "before": f"{plan.original_values(STATE_CONTEXT):,}",
+                      "after": f"{plan.state_values(STATE_CONTEXT):,} (x{ratio:.3f})"}],
+        )
+
+    def report_record(self, report: LinearReport) -> dict:
+        plan = report.plan
+        return {"plan": {"window": plan.window, "feature_dim": plan.feature_dim,
+                         "state_values_per_layer": plan.state_values(STATE_CONTEXT),
+                         "original_values_per_layer": plan.original_values(STATE_CONTEXT),
+                         "context": STATE_CONTEXT, "added_parameters_per_layer": plan.added_parameters()},
+                "layer_errors": [e._asdict() for e in report.layer_errors]}
+
+    def report_text(self, model: str, report: LinearReport, dry_run: bool) -> list:
+        plan = report.plan
+        ratio = plan.state_values(STATE_CONTEXT) / plan.original_values(STATE_CONTEXT)
+        return [f"linear plan for {model}: softmax over the last {plan.window} keys, Hedgehog features 2 x "
+                f"{plan.feature_dim} per head beyond; cache at {STATE_CONTEXT} tokens x{ratio:.3f} of the original's "
+                f"({plan.state_values(STATE_CONTEXT):,} values per layer), {plan.added_parameters():,} parameters added "
+                "per layer"]
+
+    def result_text(self, report: LinearReport) -> list:
+        errors = report.mean_errors()
+        if errors["before"] is None:
+            return []
+        line = f"mean relative layer error against softmax attention: {errors['before']:.4f} -> {errors['after']:.4f}"
+        if errors["held_after"] is not None:
+            line += (f"; held out {errors['held_before']:.4f} -> {errors['held_after']:.4f} (steps kept per layer: "
+                     f"{errors['steps']:.0f} on average)")
+        return [line]
+
+    def extra_files(self) -> dict[str, str]:
+        from attnsurg.modeling import MODELING_FILE
+
+        return {MODELING_FILE.name: MODELING_FILE.read_text(encoding="utf-8")}
+
+
+register_method(Linear())

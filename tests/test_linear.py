@@ -1,0 +1,131 @@
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+from typer.testing import CliRunner
+
+from attnsurg.arch import inspect_config
+from attnsurg.arch.families import family_for_surgery
+from attnsurg.cli import app
+from attnsurg.errors import UserError
+from attnsurg.eval.speed import cache_bytes
+from attnsurg.io.load import load_model, resolve_source
+from attnsurg.methods.base import SurgeryInputs, method_for
+from attnsurg.methods.linear.method import LinearReport, LinearSettings
+from attnsurg.methods.linear.transfer import LayerTransfer, Transfer
+from attnsurg.modeling import modeling_attnsurg
+from attnsurg.requests import COMMAND_CALIBRATION
+
+from conftest import build_tiny
+from helpers import VOCAB, held_out, logit_error, remote_code_matches_attnsurg
+
+
+def windows(n: int = 8, length: int = 48, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def converted(model, family: str, **settings) -> tuple[torch.nn.Module, LinearReport]:
+    settings = LinearSettings(**settings)
+    method = method_for(settings)
+    report = LinearReport(method.plan(inspect_config(model.config), settings), inspect_config(model.config))
+    inputs = SurgeryInputs(family_for_surgery(family), windows(), COMMAND_CALIBRATION)
+    return method.operate_model(model, inputs, settings, report), report
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_a_window_as_long_as_the_context_reproduces_the_logits(family):
+    model = build_tiny(family, VOCAB, num_key_value_heads=2)
+    linear, _ = converted(model, family, window=48, transfer_steps=5)
+    assert logit_error(linear, model, held_out()) < 1e-4
+
+
+def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch):
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    linear, _ = converted(model, "llama", window=6, transfer_steps=5)
+    ids = held_out()[:1, :40]
+    with torch.no_grad():
+        parallel = linear(ids, use_cache=False).logits  # one chunk: the whole sequence at once
+        cache = DynamicCache()
+        prefix = linear(ids[:, :9], cache=cache).logits
+        steps = [linear(ids[:, t : t + 1], cache=cache).logits for t in range(9, 40)]
+        monkeypatch.setattr(modeling_attnsurg, "LINEAR_CHUNK", 7)  # a prompt taken in chunks, as a long one is
+        chunked = linear(ids, use_cache=False).logits
+    assert torch.allclose(torch.cat([prefix, *steps], 1), parallel, atol=1e-5)
+    assert torch.allclose(chunked, parallel, atol=1e-5)
+    assert cache.get_seq_length() == 40
+
+
+def test_the_cache_does_not_grow_with_the_context():
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    linear, report = converted(model, "llama", window=4, transfer_steps=0)
+    cache, sizes = DynamicCache(), []
+    with torch.no_grad():
+        linear(held_out()[:1, :8], cache=cache)
+        for t in range(40):
+            linear(torch.tensor([[t % VOCAB]]), cache=cache)
+            sizes.append(cache_bytes(cache))
+    plan = report.plan
+    planned = 4 * plan.num_layers * plan.state_values(48)  # float32 window and state; the window's storage
+    assert sizes[5] == sizes[-1] and planned <= sizes[-1] <= planned * 1.1  # also holds the token just added
+
+
+def test_attention_transfer_lowers_the_held_out_error_as_features_widen():
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    family = family_for_surgery("llama")
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        stream = model.get_input_embeddings()(windows(12, 48))
+    held = []
+    for features in (1, 4, 16):
+        transfer = LayerTransfer(family, model.model.rotary_emb, stream)
+        _, error = transfer.fit(layer, model.config, 0, 4, features, Transfer(steps=200, lr=1e-2), held_out=3)
+        assert error.held_after < error.held_before and error.after < error.before
+        held.append(error.held_after)
+    assert held[0] > held[1] > held[2]
+
+
+def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_file, tmp_path):
+    out = tmp_path / "linear"
+    args = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "8", "--transfer-steps", "20",
+            "--calib-text", str(corpus_file), "--calib-tokens", "1024", "--calib-seq-len", "64", "--eval-tokens", "256",
+            "--eval-domains", "none", "-o", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["plan"]["window"] == 8 and len(record["layer_errors"]) == 2
+    assert record["layer_errors"][0]["after"] < record["layer_errors"][0]["before"]
+    assert json.loads((out / "config.json").read_text())["attnsurg"]["linear"] == {"window": 8, "feature_dim": 16}
+    reloaded = load_model(resolve_source(str(out)))
+    assert isinstance(reloaded.model.layers[0].self_attn, modeling_attnsurg.HybridLinearAttention)
+    assert remote_code_matches_attnsurg(out, tmp_path)
+    with torch.no_grad():  # the written model is the scored one: its perplexity on the same windows
+        source = load_model(resolve_source(str(tiny_checkpoints["llama-gqa"])))
+        assert logit_error(reloaded, source, held_out()) > 1e-3  # the window is shorter than the context
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--kv-budget", "0.5"], "--kv-budget does not apply to --to linear"),
+    (["--window", "0"], "window"),
+])
+def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, extra, fragment):
+    result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", *extra,
+                                      "-o", str(tmp_path / "never")])
+    assert result.exit_code == 2 and fragment in result.output and not (tmp_path / "never").exists()
+
+
+def test_mla_options_stay_mla_only(tiny_checkpoints, tmp_path):
+    result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--window", "8",
+                                      "-o", str(tmp_path / "never")])
+    assert result.exit_code == 2 and "--window does not apply to --to mla" in result.output
+
+
+def test_sliding_window_models_are_refused():
+    from attnsurg.methods.linear.method import plan_linear
+
+    model = build_tiny("mistral", VOCAB, num_key_value_heads=2, sliding_window=16)
+    anatomy = inspect_config(model.config)
+    if not anatomy.sliding_layers:
+        pytest.skip("this transformers version reports no sliding layers for Mistral")
+    with pytest.raises(UserError, match="sliding window"):
+        plan_linear(anatomy, LinearSettings())

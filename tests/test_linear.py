@@ -17,7 +17,7 @@ from attnsurg.methods.linear.transfer import LayerTransfer, Transfer
 from attnsurg.modeling import modeling_attnsurg
 from attnsurg.requests import COMMAND_CALIBRATION
 
-from conftest import build_tiny
+from conftest import assert_streamed_like_loaded, build_tiny
 from helpers import VOCAB, held_out, logit_error, remote_code_matches_attnsurg
 
 
@@ -102,6 +102,26 @@ def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_fil
     with torch.no_grad():  # the written model is the scored one: its perplexity on the same windows
         source = load_model(resolve_source(str(tiny_checkpoints["llama-gqa"])))
         assert logit_error(reloaded, source, held_out()) > 1e-3  # the window is shorter than the context
+
+
+def test_streamed_writes_the_loaded_conversion(tiny_checkpoints, corpus_file, tmp_path):
+    from safetensors.torch import load_file
+
+    common = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "8", "--transfer-steps", "20",
+              "--calib-text", str(corpus_file), "--calib-tokens", "1024", "--calib-seq-len", "64", "--eval-tokens", "128",
+              "--eval-domains", "none", "--json"]
+    records = {}
+    for mode in ("--stream", "--no-stream"):
+        result = CliRunner().invoke(app, [*common, mode, "-o", str(tmp_path / mode)])
+        assert result.exit_code == 0, result.output
+        records[mode] = json.loads(result.stdout)
+    assert records["--stream"]["streamed"] and not records["--no-stream"]["streamed"]
+    for a, b in zip(records["--stream"]["layer_errors"], records["--no-stream"]["layer_errors"], strict=True):
+        assert a == pytest.approx(b, rel=1e-4)
+    streamed, loaded = (load_file(tmp_path / mode / "model.safetensors") for mode in ("--stream", "--no-stream"))
+    assert streamed.keys() == loaded.keys()
+    assert all(torch.allclose(streamed[k], loaded[k], atol=1e-5) for k in loaded)
+    assert_streamed_like_loaded(tmp_path / "--no-stream", tmp_path / "--stream")
 
 
 @pytest.mark.parametrize("extra, fragment", [

@@ -16,7 +16,9 @@ from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
 from attnsurg.methods.base import CardText, Progress, StreamTarget, SurgeryInputs, SurgeryMethod, SurgeryReport, register_method
 from attnsurg.methods.factorized import assemble_factorized
+from attnsurg.methods.linear.stream import linear_streamed
 from attnsurg.methods.linear.transfer import LayerTransfer, Transfer, TransferError
+from attnsurg.placement import on_device
 from attnsurg.recipe import ConvertSettings
 from attnsurg.requests import Calibration
 
@@ -123,8 +125,8 @@ class Linear(SurgeryMethod):
     def plan(self, anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPlan:
         return plan_linear(anatomy, settings)
 
-    def stream_refusal(self, settings: LinearSettings, plan: LinearPlan) -> str | None:
-        return "convert --to linear loads the source whole"
+    def transfer_of(self, settings: LinearSettings) -> Transfer:
+        return Transfer(settings.transfer_steps, settings.transfer_lr)
 
     def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings: LinearSettings,
                       report: LinearReport, progress: Progress = None) -> PreTrainedModel:
@@ -132,14 +134,13 @@ class Linear(SurgeryMethod):
         with torch.no_grad():
             stream = source.get_input_embeddings()(inputs.windows.to(source.device)).float().to(device)
         rotary = source.get_submodule(family.rotary_path).to(device)
-        transfer = LayerTransfer(family, rotary, stream)
-        held_out = held_out_windows(len(inputs.windows))
+        fitter = LayerTransfer(family, rotary, stream)
         added = {}
         for index, layer in enumerate(source.get_submodule(family.layers_path)):
-            layer.to(device)
-            tensors, errors = transfer.fit(layer, source.config, index, plan.window, plan.feature_dim,
-                                           Transfer(settings.transfer_steps, settings.transfer_lr), held_out, inputs.seed)
-            layer.to("cpu")
+            with on_device(layer, device):
+                tensors, errors = fitter.fit(layer, source.config, index, plan.window, plan.feature_dim,
+                                             self.transfer_of(settings), held_out_windows(len(inputs.windows)),
+                                             inputs.seed)
             added.update({feature_names(family, index) + name: t.cpu() for name, t in tensors.items()})
             report.layer_errors.append(errors)
             if progress:
@@ -147,9 +148,13 @@ class Linear(SurgeryMethod):
         rotary.to("cpu")
         return assemble_factorized(source, plan.surgery(), {}, added=added)
 
-    def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings,
-                         report: SurgeryReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:
-        raise NotImplementedError("convert --to linear loads the source whole (stream_refusal)")
+    def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings: LinearSettings,
+                         report: LinearReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:
+        written, report.layer_errors = linear_streamed(
+            reader, source_config, inputs.family, inputs.windows, report.plan, self.transfer_of(settings),
+            held_out_windows(len(inputs.windows)), target.directory, target.dtype, target.max_shard_size, progress,
+            inputs.device, target.checkpoints, inputs.seed)
+        return written
 
     def card_text(self, settings: LinearSettings, report: LinearReport, calibration: Calibration,
                   healing: str) -> CardText:

@@ -21,17 +21,14 @@ from typing import Literal
 
 from attnsurg.errors import UserError
 from attnsurg.recipe import (
-    MLA_CALIBRATION,
     CompressStep,
     ConvertStep,
     Evaluation,
     HealSettings,
     HealStep,
-    MLASettings,
     Recipe,
 )
 from attnsurg.requests import (
-    COMMAND_CALIBRATION,
     EVAL_DOMAINS,
     Calibration,
     ModelRef,
@@ -46,7 +43,9 @@ def surgery_recipe(model: str | ModelRef, output: str | Path, step, calibration:
                    seed: int) -> Recipe:
     """The recipe a ``convert`` or ``compress`` command builds from its options."""
     steps = [step] + ([HealStep(heal=heal)] if heal is not None else [])
-    default = MLA_CALIBRATION if isinstance(step, ConvertStep) else COMMAND_CALIBRATION
+    from attnsurg.methods.base import method_for
+
+    default = method_for(step.convert if isinstance(step, ConvertStep) else step.compress).calibration
     return Recipe(model=model, output=Path(output), steps=steps, calibration=calibration or default,
                   eval=Evaluation(tokens=eval_tokens, domains=list(eval_domains)), seed=seed)
 
@@ -63,11 +62,14 @@ def convert(model: str, output: str | Path, *, to: str = "mla", calibration: Cal
             heal: HealSettings | dict | None = None, eval_tokens: int = 2048,
             eval_domains: list[str] | tuple[str, ...] = EVAL_DOMAINS, seed: int = 0, overwrite: bool = False,
             device: str = "auto", dry_run: bool = False, **settings):
-    """``attnsurg convert MODEL --to mla``; ``settings`` are ``MLASettings`` fields (``kv_budget=0.5``,
-    ``format="exact"``, ``refine_steps=0``, ...). Returns the ``ConvertReport``."""
-    if to != "mla":
-        raise UserError(f"to={to!r} is not supported; available: mla")
-    step = ConvertStep(convert=MLASettings(**settings))
+    """``attnsurg convert MODEL --to mla`` (or ``linear``); ``settings`` are the target's settings fields
+    (``MLASettings``: ``kv_budget=0.5``, ``format="exact"``, ...; ``LinearSettings``: ``window=64``, ...).
+    Returns the method's report (``ConvertReport``, ``LinearReport``)."""
+    from attnsurg.methods.base import convert_target_names, settings_for_target
+
+    if (target := settings_for_target(to)) is None:
+        raise UserError(f"to={to!r} is not supported; available: {', '.join(convert_target_names())}")
+    step = ConvertStep(convert=target(to=to, **settings))
     recipe = surgery_recipe(model, output, step, calibration, heal, eval_tokens, eval_domains, seed)
     return run(recipe, overwrite, device, dry_run)
 

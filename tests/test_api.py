@@ -10,6 +10,7 @@ import attnsurg
 from attnsurg import api
 from attnsurg.cli import app
 from attnsurg.errors import UserError
+from attnsurg.recipe import MLA_CALIBRATION
 
 
 def tensors(directory):
@@ -45,7 +46,9 @@ def test_a_function_writes_what_its_command_writes(command, settings, flags, tin
 def test_the_functions_take_the_commands_defaults():
     """Unset, the calibration is what the command line calibrates on (every built-in domain), not a recipe's."""
     convert = api.surgery_recipe("m", "out", api.ConvertStep(convert={}), None, None, 2048, api.EVAL_DOMAINS, 0)
-    assert convert.calibration == api.MLA_CALIBRATION and convert.calibration.tokens == 6144
+    assert convert.calibration == MLA_CALIBRATION and convert.calibration.tokens == 6144
+    linear = api.surgery_recipe("m", "out", api.ConvertStep(convert={"to": "linear"}), None, None, 2048, api.EVAL_DOMAINS, 0)
+    assert linear.calibration.data.dataset == "all" and linear.calibration.tokens == 24576
     compress = api.surgery_recipe("m", "out", api.CompressStep(compress={"method": "svd"}), None, None, 2048,
                                   api.EVAL_DOMAINS, 0)
     assert compress.calibration.data.dataset == "all" and compress.calibration.tokens == 4096
@@ -60,8 +63,10 @@ def test_evaluate_scores_every_model_on_the_same_windows(tiny_checkpoints, corpu
 
 def test_bad_arguments_name_what_is_wrong(tiny_checkpoints, tmp_path):
     model = str(tiny_checkpoints["llama-gqa"])
-    with pytest.raises(UserError, match="to='linear' is not supported"):
-        attnsurg.convert(model, tmp_path / "o", to="linear")
+    with pytest.raises(UserError, match="to='gla' is not supported; available: linear, mla"):
+        attnsurg.convert(model, tmp_path / "o", to="gla")
+    with pytest.raises(ValidationError, match="kv_budget"):
+        attnsurg.convert(model, tmp_path / "o", to="linear", kv_budget=0.5)
     with pytest.raises(ValidationError, match="kv_budgett"):
         attnsurg.convert(model, tmp_path / "o", kv_budgett=0.5)
     with pytest.raises(ValidationError, match="unknown_method|compress needs method"):

@@ -149,3 +149,23 @@ def test_sliding_window_models_are_refused():
         pytest.skip("this transformers version reports no sliding layers for Mistral")
     with pytest.raises(UserError, match="sliding window"):
         plan_linear(anatomy, LinearSettings())
+
+
+def test_heal_trains_the_converted_attention_and_lowers_perplexity(tiny_checkpoints, corpus_file, tmp_path):
+    student = tmp_path / "student"
+    convert = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "4", "--transfer-steps", "10",
+               "--calib-text", str(corpus_file), "--calib-tokens", "1024", "--calib-seq-len", "64", "--eval-tokens", "0",
+               "-o", str(student)]
+    assert CliRunner().invoke(app, convert).exit_code == 0
+    heal = ["heal", str(student), "--teacher", str(tiny_checkpoints["llama-gqa"]), "--text", str(corpus_file),
+            "--tokens", "2048", "--seq-len", "64", "--lr", "3e-3", "--eval-tokens", "256", "--eval-domains", "none",
+            "-o", str(tmp_path / "healed"), "--json"]
+    result = CliRunner().invoke(app, heal)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["ppl_after"] < record["ppl_before"]
+    healed = load_model(resolve_source(str(tmp_path / "healed")))
+    before = load_model(resolve_source(str(student)))
+    attention = healed.model.layers[0].self_attn
+    assert isinstance(attention, modeling_attnsurg.HybridLinearAttention)
+    assert not torch.equal(attention.feature_q, before.model.layers[0].self_attn.feature_q)

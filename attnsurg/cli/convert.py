@@ -152,6 +152,7 @@ def convert(
 ) -> None:
     """Convert attention to MLA or hybrid linear attention; write a new checkpoint."""
     from attnsurg.api import surgery_recipe
+    from attnsurg.methods.base import method_for
     from attnsurg.recipe import ConvertStep
     from attnsurg.requests import ModelRef
 
@@ -160,7 +161,7 @@ def convert(
     given = {name: value for name, value in locals().items() if name in SETTINGS_OPTIONS and given_on_command_line(ctx, name)}
     settings = target_settings(to, given)
     if calib_tokens is None:
-        calib_tokens = LINEAR_CALIBRATION_TOKENS if isinstance(settings, LinearSettings) else MLA_CALIBRATION.tokens
+        calib_tokens = method_for(settings).calibration.tokens
     reference = ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     recipe = surgery_recipe(reference, output or Path("OUT"), ConvertStep(convert=settings),  # a dry run writes nothing
                             calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len), None, eval_tokens,

@@ -98,8 +98,9 @@ def recipe_step_label(step) -> str:
     kind = step_kind(step)
     settings = getattr(step, kind)
     if kind == "convert":
-        budget = f"kv_budget {settings.kv_budget}" if settings.kv_budget is not None else f"kv_rank {settings.kv_rank}"
-        return f"convert to mla ({budget})"
+        from attnsurg.methods.base import method_for
+
+        return method_for(settings).step_label(settings)
     if kind == "compress":
         budget = {name: getattr(settings, name, None) for name in ("ratio", "rank", "ranks", "top_k")}
         shown = ", ".join(f"{name} {value}" for name, value in budget.items() if value is not None)

@@ -25,7 +25,7 @@ from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics, attention_layers, input_statistics
 from attnsurg.methods.consumers import PROJECTIONS, LayerContext
 from attnsurg.recipe import CompressSettings
-from attnsurg.requests import Calibration
+from attnsurg.requests import COMMAND_CALIBRATION, Calibration
 
 LayerStatistics = tuple[InputStatistics, InputStatistics]  # a layer's attention input and o_proj input
 Progress = Callable[..., None] | None
@@ -117,6 +117,7 @@ class SurgeryMethod(ABC):
     report_type: ClassVar[type[SurgeryReport]] = SurgeryReport
     timed_step: ClassVar[str | None] = None  # what the report's seconds of the operation are called
     seconds_key: ClassVar[str] = "operation_seconds"  # the same in the ``--json`` record
+    calibration: ClassVar[Calibration] = COMMAND_CALIBRATION  # what its command calibrates on when not told
 
     def handles(self, settings) -> bool:
         """Whether this method runs these settings."""
@@ -166,6 +167,10 @@ class SurgeryMethod(ABC):
 
     def progress_label(self, settings) -> str:
         return f"Operating ({self.name_of(settings)})"
+
+    def step_label(self, settings) -> str:
+        """The step in a list of recipes: what it does and at what budget."""
+        return f"{self.step} to {self.name_of(settings)}"
 
     def extra_files(self) -> dict[str, str]:
         """Files written beside the checkpoint (the modeling code a replaced attention loads with)."""

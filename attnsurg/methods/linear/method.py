@@ -20,12 +20,13 @@ from attnsurg.methods.linear.stream import linear_streamed
 from attnsurg.methods.linear.transfer import LayerTransfer, Transfer, TransferError
 from attnsurg.placement import on_device
 from attnsurg.recipe import ConvertSettings
-from attnsurg.requests import Calibration
+from attnsurg.requests import COMMAND_CALIBRATION, Calibration
 
 NAME = "linear"
 HELD_OUT_SHARE = 1 / 8  # calibration windows held out of the fit (the last ones: one of each domain at 48)
 STATE_CONTEXT = 8192  # the context the card compares the state with the original cache at
 LINEAR_CALIBRATION_TOKENS = 24576  # 48 windows of 512: at 12 the feature maps overfit (held-out error 2-4x the fit's)
+LINEAR_CALIBRATION = COMMAND_CALIBRATION.model_copy(update={"tokens": LINEAR_CALIBRATION_TOKENS})
 
 
 def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
@@ -115,9 +116,13 @@ class Linear(SurgeryMethod):
     report_type = LinearReport
     timed_step = "attention transfer"
     seconds_key = "convert_seconds"
+    calibration = LINEAR_CALIBRATION
 
     def name_of(self, settings: LinearSettings) -> str:
         return settings.to
+
+    def step_label(self, settings: LinearSettings) -> str:
+        return f"convert to linear (window {settings.window})"
 
     def progress_label(self, settings: LinearSettings) -> str:
         return "Attention transfer"

@@ -20,7 +20,7 @@ from attnsurg.methods.mla.report import (
 )
 from attnsurg.methods.mla.split import check_measurable, split_candidates, streamed_split
 from attnsurg.methods.mla.stream import convert_streamed
-from attnsurg.recipe import MLASettings
+from attnsurg.recipe import MLA_CALIBRATION, MLASettings
 from attnsurg.requests import Calibration
 
 
@@ -32,9 +32,14 @@ class MLA(SurgeryMethod):
     report_type = ConvertReport
     timed_step = "conversion"
     seconds_key = "convert_seconds"
+    calibration = MLA_CALIBRATION
 
     def name_of(self, settings: MLASettings) -> str:
         return settings.to
+
+    def step_label(self, settings: MLASettings) -> str:
+        budget = f"kv_budget {settings.kv_budget}" if settings.kv_budget is not None else f"kv_rank {settings.kv_rank}"
+        return f"convert to mla ({budget})"
 
     def progress_label(self, settings: MLASettings) -> str:
         return "Converting layers"

@@ -1,4 +1,5 @@
-"""Modeling code for checkpoints written by ``attnsurg compress`` (factorized or top-k attention).
+"""Modeling code for checkpoints written by ``attnsurg compress`` and ``attnsurg convert --to linear``
+(factorized, top-k or linear attention).
 
 This file is self-contained (torch and transformers only): attnsurg copies it into every checkpoint it
 writes, where ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` finds it through the

@@ -56,8 +56,19 @@ class AttentionAnatomy:
     def kv_values_per_token(self) -> int:
         return sum(self.kv_layer_values) or self.num_layers * self.kv_values_per_layer
 
-    def kv_bytes_per_token(self, dtype: str | None = None) -> int:
-        return self.kv_values_per_token * BYTES_PER_DTYPE[dtype or self.dtype]
+    def kv_bytes_per_token(self, dtype: str | None = None, context: int | None = None) -> int:
+        """Cache bytes per token; at ``context`` tokens, those the cache holds then over the tokens (a fixed-size
+        cache, hybrid linear attention's, holds fewer per token the longer the context)."""
+        values = self.kv_values_per_token if context is None else self.cache_values(context) / context
+        return round(values * BYTES_PER_DTYPE[dtype or self.dtype])
+
+    def cache_values(self, context: int) -> int:
+        """Values the cache holds at ``context`` tokens, all layers."""
+        linear = self.surgery.get("linear")
+        if linear:
+            return self.num_layers * linear_cache_values(self.num_kv_heads, self.head_dim, int(linear["window"]),
+                                                         int(linear["feature_dim"]), context)
+        return self.kv_values_per_token * context
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -65,6 +76,12 @@ class AttentionAnatomy:
         record["kv_bytes_per_token"] = self.kv_bytes_per_token()
         record["kv_bytes_per_token_bf16"] = self.kv_bytes_per_token("bfloat16")
         return record
+
+
+def linear_cache_values(kv_heads: int, head_dim: int, window: int, feature_dim: int, context: int) -> int:
+    """One hybrid linear layer's cache at ``context`` tokens: the window's keys and values, and the state
+    S = sum phi(k) v^T and z = sum phi(k) of the older keys (2F x (d + 1) per KV head)."""
+    return 2 * kv_heads * head_dim * min(context, window) + kv_heads * 2 * feature_dim * (head_dim + 1)
 
 
 def config_dtype(config: PretrainedConfig) -> str:

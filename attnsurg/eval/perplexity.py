@@ -230,7 +230,7 @@ def evaluate_model(model_ref: ModelRef, request: PerplexityEval, texts: list[Tex
             ppl=math.exp(score.nll / score.tokens),
             **text_measures(item.text.text, item.tokens, item.windows, score.nll),
             kv_values_per_token=anatomy.kv_values_per_token,
-            kv_bytes_per_token=anatomy.kv_bytes_per_token(dtype_name),
+            kv_bytes_per_token=anatomy.kv_bytes_per_token(dtype_name, request.max_length),
             parameters=anatomy.total_parameters,
             attention_parameters=anatomy.attention_parameters,
             seconds=score.seconds,

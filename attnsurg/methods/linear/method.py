@@ -10,7 +10,7 @@ import torch
 from pydantic import Field
 from transformers import PretrainedConfig, PreTrainedModel
 
-from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.arch.anatomy import AttentionAnatomy, linear_cache_values
 from attnsurg.arch.families import llama_like_reason
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
@@ -66,8 +66,7 @@ class LinearPlan:
 
     def state_values(self, context: int) -> int:
         """Cached values per layer at ``context`` tokens: the window's keys and values and the state S, z."""
-        return 2 * self.num_kv_heads * self.head_dim * min(context, self.window) + \
-            self.num_kv_heads * 2 * self.feature_dim * (self.head_dim + 1)
+        return linear_cache_values(self.num_kv_heads, self.head_dim, self.window, self.feature_dim, context)
 
     def original_values(self, context: int) -> int:
         return 2 * self.num_kv_heads * self.head_dim * context

@@ -80,5 +80,6 @@ def test_each_planned_method_is_registered_by_its_own_module_once():
     owners = {name: method.proxy.__module__ for name, method in PLANNED.items()}
     assert owners["svdllm-allocate"] == "attnsurg.methods.lowrank" and owners["cp"] == "attnsurg.methods.headtensor"
     assert owners["loki-variance"] == "attnsurg.methods.loki" and owners["mla"] == "attnsurg.methods.mla.proxy"
+    assert owners["linear"] == "attnsurg.methods.linear.proxy"
     with pytest.raises(ValueError, match="registered twice"):
         register_planned(PLANNED["mla"])

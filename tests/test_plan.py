@@ -69,6 +69,12 @@ def test_each_proxy_falls_as_the_budget_grows_and_vanishes_at_full_budget(contex
     assert totals[-1] < (1e-2 if method == "mla" else 1e-9), totals
 
 
+def test_the_linear_proxy_falls_as_the_window_grows_and_vanishes_at_the_whole_window(context):
+    per_layer = PLANNED["linear"].proxy(context, (4, 16, 32, 64))
+    totals = [sum(row) for row in per_layer]
+    assert totals == sorted(totals, reverse=True) and totals[0] > totals[2] > 0 and totals[-1] == 0, totals
+
+
 def test_loki_variance_at_full_variance_selects_the_true_top_keys(context):
     """At variance 1 the scores use every principal coordinate, so they pick the truly strongest keys and miss
     nothing against them; fewer coordinates miss more."""

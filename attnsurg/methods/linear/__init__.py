@@ -10,4 +10,4 @@ transfer"), then ``heal`` can train the whole attention. The package: ``transfer
 ``modeling/modeling_attnsurg.py``.
 """
 
-from attnsurg.methods.linear import method  # noqa: F401  (registers the method)
+from attnsurg.methods.linear import method, proxy  # noqa: F401  (register the method and its planner proxy)

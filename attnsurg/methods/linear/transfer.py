@@ -144,12 +144,27 @@ class LayerTransfer:
     def fit(self, layer: torch.nn.Module, config, index: int, window: int, feature_dim: int, settings: Transfer,
             held_out: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], TransferError]:
         """The fitted feature tensors of layer ``index`` and its errors; the stream moves past the layer."""
+        x, target = self.layer_io(layer)
+        features, errors = self.fitted(layer, x, target, config, index, window, feature_dim, settings, held_out, seed)
+        self.advance(layer, target)
+        return features, errors
+
+    @torch.no_grad()
+    def layer_io(self, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's attention input (normed stream) and the softmax attention's output on every window."""
         source = getattr(layer, self.family.attention_attr)
         x = getattr(layer, self.family.input_norm)(self.stream)
-        target = source(hidden_states=x, position_embeddings=self.position_embeddings, attention_mask=self.mask)[0]
-        hybrid = hybrid_of(source, config, index, window, feature_dim)
+        return x, source(hidden_states=x, position_embeddings=self.position_embeddings, attention_mask=self.mask)[0]
+
+    def fitted(self, layer: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, config, index: int, window: int,
+               feature_dim: int, settings: Transfer, held_out: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], TransferError]:
+        hybrid = hybrid_of(getattr(layer, self.family.attention_attr), config, index, window, feature_dim)
         errors = transfer_layer(hybrid, x, self.position_embeddings, target, settings, held_out, seed + index)
-        residual = self.stream + target
+        return feature_state(hybrid), errors
+
+    @torch.no_grad()
+    def advance(self, layer: torch.nn.Module, attended: torch.Tensor) -> None:
+        """The stream through the rest of the source layer: the attention's residual add, then the MLP's."""
+        residual = self.stream + attended
         post = getattr(layer, self.family.post_attention_norm)
         self.stream = residual + getattr(layer, self.family.mlp)(post(residual))
-        return feature_state(hybrid), errors

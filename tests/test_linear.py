@@ -17,7 +17,7 @@ from attnsurg.methods.linear.transfer import LayerTransfer, Transfer
 from attnsurg.modeling import modeling_attnsurg
 from attnsurg.requests import COMMAND_CALIBRATION
 
-from conftest import assert_streamed_like_loaded, build_tiny
+from conftest import assert_streamed_like_loaded, build_tiny, greedy_decode_matches_recomputation
 from helpers import VOCAB, held_out, logit_error, remote_code_matches_attnsurg
 
 
@@ -54,6 +54,12 @@ def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch):
     assert torch.allclose(torch.cat([prefix, *steps], 1), parallel, atol=1e-5)
     assert torch.allclose(chunked, parallel, atol=1e-5)
     assert cache.get_seq_length() == 40
+
+
+def test_generate_decodes_what_recomputing_every_prefix_gives():
+    model = build_tiny("qwen2", VOCAB, num_key_value_heads=2)
+    linear, _ = converted(model, "qwen2", window=5, transfer_steps=5)
+    assert greedy_decode_matches_recomputation(linear, held_out()[:1, :12], 20)
 
 
 def test_the_cache_does_not_grow_with_the_context():

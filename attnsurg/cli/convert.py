@@ -41,8 +41,6 @@ from attnsurg.recipe import MLA_CALIBRATION, Evaluation, MLASettings
 
 MLA = defaults_of(MLASettings)
 LINEAR = defaults_of(LinearSettings)
-# Options a recipe or an ablation sets, measured no better than their defaults on either real model, are hidden
-# from --help (docs/mla.md, docs/linear.md describe them): the help fits one screen.
 SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's settings read
     "kv_budget": "--kv-budget", "kv_rank": "--kv-rank", "rope_dim": "--rope-dim", "rope_layout": "--rope-layout",
     "rope_fold": "--rope-fold", "split": "--split", "format": "--format", "engine": "--engine",
@@ -52,6 +50,9 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
     "window": "--window", "feature_dim": "--feature-dim", "transfer_steps": "--transfer-steps",
     "transfer_lr": "--transfer-lr",
 }
+# Hidden from --help so it fits one screen (docs/mla.md and docs/linear.md describe them): --weighted,
+# --token-weights and --refine-schedule, measured no better than their defaults on either real model, and
+# --transfer-lr.
 
 
 @app.command(epilog=examples(

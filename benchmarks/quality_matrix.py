@@ -32,7 +32,7 @@ from attnsurg.eval.tasks.cloze import load_cloze_items
 from attnsurg.eval.tasks.facts import load_fact_items
 from attnsurg.io.load import load_config, resolve_source
 from attnsurg.io.recipe_file import load_recipe, shipped_recipes
-from attnsurg.recipe import MLASettings
+from attnsurg.recipe import ConvertSettings
 from attnsurg.requests import ModelRef, PerplexityEval, TasksEval, TextData
 from common import write_result
 from results_doc import matrix_note, matrix_table
@@ -44,7 +44,7 @@ DEMO = "smollm2-135m"
 def refusal(name: str, model: str) -> str | None:
     """Why the recipe's method cannot run on ``model`` (the registry's reason), or None."""
     settings = load_recipe(Path(name)).surgery
-    method = "mla" if isinstance(settings, MLASettings) else settings.method
+    method = settings.to if isinstance(settings, ConvertSettings) else settings.method
     return METHODS[method].unsupported_reason(inspect_config(load_config(resolve_source(model))))
 
 

@@ -105,6 +105,7 @@ def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_fil
     reloaded = load_model(resolve_source(str(out)))
     assert isinstance(reloaded.model.layers[0].self_attn, modeling_attnsurg.HybridLinearAttention)
     anatomy = inspect_config(reloaded.config)  # the cache a reader of the checkpoint is told of: fixed past the window
+    assert not anatomy.qk_norm  # the source (Llama) has none; the replaced attention holds empty slots for them
     assert anatomy.cache_values(10_000) == anatomy.cache_values(100_000) < anatomy.kv_values_per_token * 10_000 / 50
     assert remote_code_matches_attnsurg(out, tmp_path)
     with torch.no_grad():  # the written model is the scored one: its perplexity on the same windows

@@ -11,7 +11,7 @@ from pydantic import Field
 from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy, linear_cache_values
-from attnsurg.arch.families import llama_like_reason
+from attnsurg.arch.families import LLAMA_LIKE_LAYERS
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
 from attnsurg.methods.base import CardText, Progress, StreamTarget, SurgeryInputs, SurgeryMethod, SurgeryReport, register_method
@@ -30,10 +30,11 @@ LINEAR_CALIBRATION = COMMAND_CALIBRATION.model_copy(update={"tokens": LINEAR_CAL
 
 
 def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
-    if reason := llama_like_reason(anatomy, "convert --to linear"):
-        return reason
     if anatomy.sliding_window is not None and anatomy.sliding_layers:
         return "its layers already attend over a sliding window"
+    if anatomy.model_type not in LLAMA_LIKE_LAYERS:
+        return (f"convert --to linear takes the {', '.join(LLAMA_LIKE_LAYERS)} families, and this model is "
+                f"{anatomy.model_type}")
     return None
 
 

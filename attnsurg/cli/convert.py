@@ -95,7 +95,7 @@ def convert(
     ] = MLA.nope_width,
     engine: Annotated[
         Optional[str],
-        typer.Option("--engine", help="An engine the plan must suit: transformers, llama.cpp, vllm or sglang.",
+        typer.Option("--engine", help="Checked for: transformers, llama.cpp, vllm, sglang.",
                      rich_help_panel=PLAN),
     ] = MLA.engine,
     calib_dataset: CalibDataset = MLA_CALIBRATION.data.dataset,

@@ -1,10 +1,10 @@
 """Where in the window an operated model loses: ppl ratio to the original by token position, in one run.
 
     python benchmarks/position_profile.py CHECKPOINT [CHECKPOINT ...] [--model smollm2-135m] [--windows 4]
-                                          [--length 1024] [--bands 0 128 512 768 1024]
+                                          [--length 1024] [--bands 0 128 512 768 1024] [--dataset wiki-sample]
 
 Scores the original and each checkpoint on the same WINDOWS disjoint windows of LENGTH tokens from the start
-of wiki-sample's eval part (fp32), and prints, per band of positions, the original's ppl and each
+of a built-in text's eval part (fp32), and prints, per band of positions, the original's ppl and each
 checkpoint's ratio to it. An attention approximation fitted on short windows shows up here as a ratio that
 grows with position. Writes benchmarks/results/position_profile.json.
 """
@@ -22,9 +22,9 @@ from attnsurg.requests import TextData
 from common import write_result
 
 
-def windows_of(tokenizer, count: int, length: int) -> torch.Tensor:
+def windows_of(tokenizer, count: int, length: int, dataset: str = "wiki-sample") -> torch.Tensor:
     """The windows ``perplexity_of`` scores for the same count and length: the start of the eval part."""
-    tokens, _ = eval_windows(tokenizer, TextData(dataset="wiki-sample", part="eval"), length, count * length)
+    tokens, _ = eval_windows(tokenizer, TextData(dataset=dataset, part="eval"), length, count * length)
     if len(tokens.ids) < count * length:
         raise SystemExit(f"the eval part has {len(tokens.ids)} tokens, fewer than {count} x {length}")
     return tokens.ids[: count * length].view(count, length)
@@ -47,11 +47,12 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--bands", type=int, nargs="+", default=[0, 128, 512, 768, 1024])
+    parser.add_argument("--dataset", default="wiki-sample")
     args = parser.parse_args()
 
     source = resolve_source(args.model)
     tokenizer = load_tokenizer(source)
-    windows = windows_of(tokenizer, args.windows, args.length)
+    windows = windows_of(tokenizer, args.windows, args.length, args.dataset)
     original = token_nll(load_model(source, torch.float32), windows)
     bands = list(zip(args.bands[:-1], args.bands[1:]))
     rows = []

@@ -700,3 +700,12 @@ def test_default_rope_width_is_a_third_of_the_budget_whatever_the_number_of_kv_h
     assert mla.default_rope_dim(96, 64, 64, 384) == 32
     assert mla.default_rope_dim(256, 64, 64, 256) == 64
     assert mla.default_rope_dim(512, 64, 128, 512) == 128  # flexible layout, two KV heads, full budget
+
+
+def test_default_rope_width_is_at_most_deepseeks_below_the_full_budget():
+    """Llama-3.1-8B (8 KV heads of 128) at 0.5 keeps 64 RoPE dims, not 128, and FreqFold 2 spreads them over
+    every frequency; a head of 96 keeps 48 (a pair per group of two); the full budget keeps every component."""
+    assert mla.default_rope_dim(1024, 128, 128, 2048) == 64
+    assert mla.default_rope_fold(128, 64, "standard") == 2
+    assert mla.default_rope_dim(1536, 96, 96, 3072) == 48
+    assert mla.default_rope_dim(2048, 128, 128, 2048) == 128

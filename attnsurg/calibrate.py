@@ -283,7 +283,7 @@ def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked
     weigh each token by the attention it receives. ``starts`` ([n, L] bool, ``short_prompt_starts``) cuts the
     windows into prompts that each see only themselves, from position 0, as if run alone."""
     from attnsurg.io.lazy import load_layer, rotary_embedding
-    from attnsurg.modeling.modeling_attnsurg import layer_window
+    from attnsurg.modeling.modeling_attnsurg import layer_rotary, layer_window
     from attnsurg.placement import on_device
 
     if starts is not None and received:
@@ -304,7 +304,8 @@ def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked
         try:
             advanced = []
             with on_device(layer, stream.device):
-                for chunk, rope, mask, current["starts"] in chunk_passes(stream, rotary, layer_window(config, index), starts):
+                for chunk, rope, mask, current["starts"] in chunk_passes(stream, layer_rotary(rotary, config, index),
+                                                                         layer_window(config, index), starts):
                     advanced.append(layer(chunk, attention_mask=mask, position_embeddings=rope))
             stream = torch.cat(advanced)
         finally:
@@ -340,9 +341,14 @@ def streamed_input_statistics(reader, config, family: Family, windows: torch.Ten
     """Per layer, the input statistics of the ``hooked`` submodules of each decoder layer over the windows, with
     one layer in memory at a time (``streamed_layers``). Equals ``input_statistics`` on the loaded model."""
     return [[s.offloaded() for s in stats]
-            for _, _, stats, _ in streamed_layers(reader, config, family, embedded(reader, family, windows), hooked, device)]
+            for _, _, stats, _ in streamed_layers(reader, config, family, embedded(reader, config, family, windows), hooked, device)]
 
 
-def embedded(reader, family: Family, windows: torch.Tensor) -> torch.Tensor:
-    """The windows' token embeddings ([n, L, D], float32) read from a checkpoint: the first decoder layer's input."""
-    return reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")[windows].float()
+def embedded(reader, config, family: Family, windows: torch.Tensor) -> torch.Tensor:
+    """The windows' token embeddings ([n, L, D], float32) read from a checkpoint: the first decoder layer's input
+    (Gemma's scaled as its embedding layer scales them)."""
+    from attnsurg.io.lazy import embedding_scale
+
+    rows = reader.tensor(f"{family.layers_path.rsplit('.', 1)[0]}.embed_tokens.weight")[windows].float()
+    scale = embedding_scale(config)
+    return rows if scale == 1.0 else rows * scale

@@ -178,3 +178,25 @@ def test_the_eval_suite_runs_on_gemma_and_its_loki_result(gemma_checkpoint, corp
     for model in json.loads(speed.stdout)["models"]:  # sliding layers hold only their window: less than the config's
         (context,) = model["contexts"]
         assert 0 < context["kv_bytes_per_token"] < model["predicted_kv_bytes_per_token"]
+
+
+@pytest.mark.parametrize("args", [["--method", "svdllm", "--targets", "q,k,v,o", "--ratio", "0.5"],
+                                  ["--method", "loki", "--rank", "6", "--top-k", "0.25"],
+                                  ["--method", "tucker", "--stacked", "--ratio", "0.5"]], ids=["svdllm", "loki", "stacked"])
+def test_streamed_compression_equals_the_loaded_one(gemma_checkpoint, corpus_file, tmp_path, args):
+    """One decoder layer in memory at a time: the stream starts at the scaled embeddings and each layer runs with its
+    type's RoPE and window, so the statistics, the tensors written and the scores are the loaded run's."""
+    reports = {}
+    for name, extra in (("loaded", ["--no-stream"]), ("streamed", ["--stream"])):
+        result = CliRunner().invoke(app, ["compress", str(gemma_checkpoint), *args, "--calib-text", str(corpus_file),
+                                          "--calib-tokens", "512", "--calib-seq-len", "64", "--eval-tokens", "128",
+                                          "--eval-domains", "none", "--json", *extra, "-o", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        reports[name] = json.loads(result.stdout)
+        assert reports[name]["streamed"] == (name == "streamed")
+    for score in ("ppl_before", "ppl_after"):
+        assert reports["streamed"][score] == pytest.approx(reports["loaded"][score], rel=1e-4)
+    loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
+    ids = torch.randint(0, 384, (1, 56), generator=torch.Generator().manual_seed(5))  # 56 > the window of 24
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)

@@ -106,6 +106,14 @@ def rotary_embedding(config: PretrainedConfig) -> nn.Module:
     return type(skeleton.model.rotary_emb)(config)
 
 
+def embedding_scale(config: PretrainedConfig) -> float:
+    """What the family's embedding layer multiplies each row by: sqrt(hidden_size) for Gemma's scaled
+    embeddings (transformers' ``*ScaledWordEmbedding``, built with that scale), 1 elsewhere."""
+    with torch.device("meta"):
+        skeleton = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    return config.hidden_size**0.5 if hasattr(skeleton.get_input_embeddings(), "embed_scale") else 1.0
+
+
 OFFLOADED = "attnsurg_offloaded"  # the attribute naming an offloaded model's execution device
 
 

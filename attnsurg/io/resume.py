@@ -235,10 +235,12 @@ class StreamStart:
 
 
 def start_stream(reader, top: str, windows: torch.Tensor, writer: ShardWriter, dtype: torch.dtype, tied: bool,
-                 checkpoints: LayerCheckpoints | None = None, num_layers: int | None = None) -> StreamStart:
+                 checkpoints: LayerCheckpoints | None = None, num_layers: int | None = None,
+                 scale: float = 1.0) -> StreamStart:
     """Resume from ``checkpoints`` when they hold this run's state; otherwise write the tensors outside the
     decoder layers (embeddings, final norm, output head; ``top`` is their module, "model") and start the stream
-    at the embeddings of the calibration ``windows``."""
+    at the embeddings of the calibration ``windows``, times the family's embedding ``scale``
+    (``io.lazy.embedding_scale``)."""
     point = checkpoints.resume_point() if checkpoints else None
     if point is not None:
         writer.restore(point.written, point.filling, point.pending)
@@ -246,6 +248,8 @@ def start_stream(reader, top: str, windows: torch.Tensor, writer: ShardWriter, d
         return StreamStart(point.next_layer, point.carried.pop("stream"), point.carried, point.errors)
     embed = reader.tensor(f"{top}.embed_tokens.weight")  # as stored: no float32 copy of the vocabulary
     stream = embed[windows].float()
+    if scale != 1.0:
+        stream *= scale
     writer.add(f"{top}.embed_tokens.weight", embed)  # cast to dtype by the writer
     del embed
     writer.add(f"{top}.norm.weight", reader.tensor(f"{top}.norm.weight", dtype))

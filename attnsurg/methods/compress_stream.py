@@ -24,11 +24,11 @@ from transformers import PretrainedConfig
 
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import embedded, streamed_layers
-from attnsurg.io.lazy import CheckpointReader, rotary_embedding
+from attnsurg.io.lazy import CheckpointReader, embedding_scale, rotary_embedding
 from attnsurg.io.resume import LayerCheckpoints, start_stream
 from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.base import LayerTensors, method_of
-from attnsurg.methods.consumers import LayerContext
+from attnsurg.methods.consumers import LayerContext, layer_inv_freq
 from attnsurg.methods.factorized import attnsurg_config
 from attnsurg.modeling.modeling_attnsurg import CLASSES
 
@@ -64,14 +64,15 @@ def compress_streamed(
     late = factor_names(planned) if method.shapes_known_late(plan) else ()
     with ShardWriter(output, planned, max_shard_size, flexible=late) as writer:
         start = start_stream(reader, family.layers_path.rsplit(".", 1)[0], windows, writer, dtype, config.tie_word_embeddings,
-                             checkpoints, config.num_hidden_layers)
+                             checkpoints, config.num_hidden_layers, embedding_scale(source_config))
         if progress and start.layer:
             progress(start.layer)
-        inv_freq = rotary_embedding(source_config).inv_freq
+        rotary = rotary_embedding(source_config)
         records, unconverged = list(start.errors), []
         for index, layer, (x, o), stream in streamed_layers(reader, source_config, family, start.stream, hooked(family),
                                                             device, start.layer):
-            context = layer_context(layer, x, o, inv_freq, source_config, family, windows.shape[1])
+            context = layer_context(layer, x, o, layer_inv_freq(rotary, source_config, index), source_config, family,
+                                    windows.shape[1])
             tensors = method.operate_layer(plan, family, index, context, seed)
             records += tensors.records
             unconverged += tensors.unconverged
@@ -103,9 +104,10 @@ def surveys(reader: CheckpointReader, source_config: PretrainedConfig, family: F
     """A first pass over every layer, one in memory at a time, for a plan that needs every layer seen before it
     operates on any (``CompressMethod.needs_survey``): each layer's ``survey_layer``."""
     method = method_of(plan)
-    inv_freq = rotary_embedding(source_config).inv_freq
-    return [method.survey_layer(plan, index, layer_context(layer, x, o, inv_freq, source_config, family, windows.shape[1]))
-            for index, layer, (x, o), _ in streamed_layers(reader, source_config, family, embedded(reader, family, windows),
+    rotary = rotary_embedding(source_config)
+    return [method.survey_layer(plan, index, layer_context(layer, x, o, layer_inv_freq(rotary, source_config, index),
+                                                           source_config, family, windows.shape[1]))
+            for index, layer, (x, o), _ in streamed_layers(reader, source_config, family, embedded(reader, source_config, family, windows),
                                                           hooked(family), device)]
 
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy, meta_model
-from attnsurg.arch.families import LLAMA_LIKE_LAYERS, Family, family_for_surgery
+from attnsurg.arch.families import Family, family_for_surgery
 from attnsurg.arch.unfuse import UNFUSED_AS, UnfusedReader, unfused_config, unfused_model
 from attnsurg.calibrate import calibration_windows
 from attnsurg.data import read_text_file
@@ -239,12 +239,9 @@ def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: boo
 
 def stream_refusal(job: Job, source, anatomy: AttentionAnatomy) -> str | None:
     """Why this run cannot read the source one decoder layer at a time, or None: healing holds the whole model,
-    layers of mixed types need a whole-model load, and the layers are read from a local safetensors directory."""
+    and the layers are read from a local safetensors directory."""
     if job.recipe.heal is not None:
         return "healing needs the whole model in memory; run with stream: false, or heal afterwards with `attnsurg heal`"
-    if anatomy.model_type not in LLAMA_LIKE_LAYERS:
-        return (f"--stream runs each layer with one RoPE and a causal mask, and {anatomy.model_type} mixes layer types; "
-                "drop --stream")
     if source.kind not in ("dir", "builtin"):
         return (f"--stream reads a local safetensors checkpoint directory, and '{job.recipe.model.ref}' is a {source.kind} "
                 "source; convert it to a directory first, or drop --stream")

@@ -137,7 +137,8 @@ def streamed_split(reader, source_config: PretrainedConfig, family: Family, wind
     choice = SplitChoice(candidates)
     if len(candidates) == 1:
         return choice
-    fit, held = embedded(reader, family, windows[:-SPLIT_HELD_OUT]), embedded(reader, family, windows[-SPLIT_HELD_OUT:])
+    fit, held = (embedded(reader, source_config, family, windows[:-SPLIT_HELD_OUT]),
+                 embedded(reader, source_config, family, windows[-SPLIT_HELD_OUT:]))
     hooked, weighed = (family.attention_attr,), (family.attention_attr,) if received else ()
     fitted = streamed_layers(reader, source_config, family, fit, hooked, device, received=weighed,
                              starts=None if starts is None else starts[:-SPLIT_HELD_OUT])

@@ -88,6 +88,20 @@ def test_the_command_prints_and_records_the_splits_it_compared(stream, tiny_chec
     assert len(split["candidates"]) == 2 and split["chosen_rope_dim"] == record["plan"][0]["rope_dims"]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.qk_rope_head_dim == split["chosen_rope_dim"]
     assert "split: RoPE" in (tmp_path / "out" / "README.md").read_text()
+    assert all(f"{c['error']:.4f}" in record["split_reason"] for c in split["candidates"])
+
+
+def test_the_plan_says_why_it_splits_the_budget_as_it_does(tiny_checkpoints):
+    """Without a measurement the plan names the rule (or the width asked for, or the whole cache)."""
+    def reason(*options) -> str:
+        result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "mla", "--dry-run", "--json",
+                                          *options])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["split_reason"]
+
+    assert "the widest head_dim / 2^k within a third of the" in reason("--kv-budget", "0.5")
+    assert reason("--kv-budget", "0.5", "--rope-dim", "2").endswith("the RoPE width asked for")
+    assert reason("--kv-budget", "1.0").endswith("the whole cache")
 
 
 @pytest.mark.parametrize("options,fragment", [

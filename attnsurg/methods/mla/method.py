@@ -17,6 +17,7 @@ from attnsurg.methods.mla.report import (
     plan_rows,
     plan_table,
     refinement_of,
+    split_line,
 )
 from attnsurg.methods.mla.split import check_measurable, split_candidates, streamed_split
 from attnsurg.methods.mla.stream import convert_streamed
@@ -103,10 +104,10 @@ class MLA(SurgeryMethod):
 
     def report_record(self, report: ConvertReport) -> dict:
         return {"plan": plan_rows(report.plan, report.anatomy), "layer_errors": [e._asdict() for e in report.layer_errors],
-                "split": report.split.record() if report.split else None}
+                "split": report.split.record() if report.split else None, "split_reason": split_line(report)}
 
     def report_text(self, model: str, report: ConvertReport, dry_run: bool) -> list:
-        return [plan_table(model, report)] + ([f"split: {report.split.reason()}"] if report.split else [])
+        return [plan_table(model, report), f"split: {split_line(report)}"]
 
     def result_text(self, report: ConvertReport) -> list:
         return layer_error_lines(report)

@@ -168,6 +168,20 @@ def default_rope_dim(values: int, head_dim: int, max_rope: int, original: int) -
     return width
 
 
+def split_reason(plan: MLAPlan) -> str:
+    """One line: how the plan spends its budget and why, where no measurement chose it (``--split rule``)."""
+    values, R, r = plan.rope_dim + plan.kv_rank, plan.rope_dim, plan.kv_rank
+    fold = f" with FreqFold {plan.rope_fold}" if plan.rope_fold > 1 else ""
+    if values >= plan.original_values:
+        return f"RoPE {R} dims{fold} + latent {r}: the whole cache"
+    max_rope = plan.head_dim if plan.layout == "standard" else plan.num_kv_heads * plan.head_dim
+    if R != default_rope_dim(values, plan.head_dim, max_rope, plan.original_values):
+        return f"RoPE {R} dims{fold} + latent {r}: the RoPE width asked for"
+    cap = f" and at most {DEFAULT_MAX_ROPE}" if plan.head_dim > DEFAULT_MAX_ROPE else ""
+    return (f"RoPE {R} dims{fold} + latent {r}: the widest head_dim / 2^k within a third of the {values} values{cap} "
+            "(--split measured compares the splits on held-out calibration windows instead)")
+
+
 def default_rope_fold(head_dim: int, rope_dim: int, layout: str) -> int:
     """TransMLA's FreqFold (Meng et al. 2025) wherever the standard layout's R/2 pairs cannot give
     every frequency its own: fold as many neighbours into each pair as still leaves one pair per group, so the

@@ -10,7 +10,7 @@ from rich.table import Table
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.calibrate import SHORT_PROMPT_TOKENS
 from attnsurg.methods.base import CardText, SurgeryReport
-from attnsurg.methods.mla.plan import MLAPlan
+from attnsurg.methods.mla.plan import MLAPlan, split_reason
 from attnsurg.methods.mla.refine import REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, LayerError, Refinement
 from attnsurg.methods.mla.split import SplitChoice
 from attnsurg.recipe import MLASettings, refined_share
@@ -131,7 +131,7 @@ def mla_card_text(settings: MLASettings, report: ConvertReport, calibration: Cal
             f"(latent {plan.kv_rank}{' + 1 norm channel' if plan.exact else ''} + {plan.rope_dim} RoPE dims, "
             f"{plan.format} format, {plan.layout} layout; "
             f"{rope_counts_note(plan)})",
-            *([f"split: {report.split.reason()}"] if report.split else []),
+            f"split: {split_line(report)}",
             *engine_note(plan),
             *qk_norm_note(anatomy),
             f"calibration: {calibration.tokens} tokens of the calibration part of {calibration.data.described()}, "
@@ -148,6 +148,11 @@ def mla_card_text(settings: MLASettings, report: ConvertReport, calibration: Cal
         ],
         figures=figures,
     )
+
+
+def split_line(report: ConvertReport) -> str:
+    """Why the budget splits as it does: the measured candidates' errors, or the rule."""
+    return report.split.reason() if report.split else split_reason(report.plan)
 
 
 def plan_rows(plan: MLAPlan, anatomy: AttentionAnatomy) -> list[dict]:

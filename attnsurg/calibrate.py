@@ -341,7 +341,8 @@ def streamed_input_statistics(reader, config, family: Family, windows: torch.Ten
     """Per layer, the input statistics of the ``hooked`` submodules of each decoder layer over the windows, with
     one layer in memory at a time (``streamed_layers``). Equals ``input_statistics`` on the loaded model."""
     return [[s.offloaded() for s in stats]
-            for _, _, stats, _ in streamed_layers(reader, config, family, embedded(reader, config, family, windows), hooked, device)]
+            for _, _, stats, _ in streamed_layers(reader, config, family, embedded(reader, config, family, windows), hooked,
+                                                  device)]
 
 
 def embedded(reader, config, family: Family, windows: torch.Tensor) -> torch.Tensor:

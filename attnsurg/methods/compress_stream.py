@@ -107,8 +107,9 @@ def surveys(reader: CheckpointReader, source_config: PretrainedConfig, family: F
     rotary = rotary_embedding(source_config)
     return [method.survey_layer(plan, index, layer_context(layer, x, o, layer_inv_freq(rotary, source_config, index),
                                                            source_config, family, windows.shape[1]))
-            for index, layer, (x, o), _ in streamed_layers(reader, source_config, family, embedded(reader, source_config, family, windows),
-                                                          hooked(family), device)]
+            for index, layer, (x, o), _ in streamed_layers(reader, source_config, family,
+                                                          embedded(reader, source_config, family, windows), hooked(family),
+                                                          device)]
 
 
 def written_config(source_config: PretrainedConfig, surgery: dict, dtype: torch.dtype) -> PretrainedConfig:

@@ -155,11 +155,11 @@ DEFAULT_MAX_ROPE = 64
 def default_rope_dim(values: int, head_dim: int, max_rope: int, original: int) -> int:
     """Every RoPE component when the whole original cache is kept (exact in the flexible layout); otherwise
     the widest head_dim / f (f = 1, 2, 4, ...: one pair per FreqFold group of f frequencies) within a third of
-    the budget and at most DEFAULT_MAX_ROPE. Measured on the demo model with refinement: at 0.5, 64 RoPE + 128 latent x1.25 vs 96 + 96
-    x1.36; at 0.25, 32 + 64 x3.32 vs 48 + 48 x3.63 vs 16 + 80 x5.57 (2 x 1024 tokens): the latent is worth
-    more than RoPE beyond a third, whatever the number of KV heads. Qwen2.5-Coder-0.5B (2 KV heads) at 0.5 has
-    128 values: 64 RoPE dims x1.81 wiki, x3.47 c4, x3.08 code; 42 (a third, no fold) x1.66, x3.25, x3.25;
-    32 with fold 2 x1.46, x2.46, x2.93."""
+    the budget and at most DEFAULT_MAX_ROPE. Measured on the demo model with refinement: at 0.5, 64 RoPE + 128
+    latent x1.25 vs 96 + 96 x1.36; at 0.25, 32 + 64 x3.32 vs 48 + 48 x3.63 vs 16 + 80 x5.57 (2 x 1024 tokens):
+    the latent is worth more than RoPE beyond a third, whatever the number of KV heads. Qwen2.5-Coder-0.5B (2 KV
+    heads) at 0.5 has 128 values: 64 RoPE dims x1.81 wiki, x3.47 c4, x3.08 code; 42 (a third, no fold) x1.66,
+    x3.25, x3.25; 32 with fold 2 x1.46, x2.46, x2.93."""
     if values >= original:
         return max_rope
     width = head_dim

@@ -16,6 +16,7 @@ quarter, every layer on the original model's own inputs (no drift carried). Colu
 - k shrink LN / native shrink LN: the bias shrunk per pair (``mla.rope_bias_shrinkage``) over a span of N
   tokens, alone and with the query and latent folds (what the native format computes now at N = 1024);
 - k drop: the RoPE key's bias dropped everywhere;
+- "@1" columns: the same error at the second token of every window alone (the first a prompt's answer sees);
 - the share of the layer's output energy the value bias (constant) carries, and the spread of a . x.
 Writes benchmarks/results/mla_bias_probe.json.
 """
@@ -73,6 +74,11 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b)[:, 1:].pow(2).sum() / b[:, 1:].pow(2).sum())  # the sink token apart
 
 
+def relative_at(a: torch.Tensor, b: torch.Tensor, position: int) -> float:
+    """The relative error at one position of every window (position 1: the second token of a prompt)."""
+    return float((a - b)[:, position].pow(2).sum() / b[:, position].pow(2).sum())
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,7 +121,9 @@ def main() -> None:
         o_weight, o_bias = attn.o_proj.weight.double(), w.o_bias
         row = {"layer": index}
         for name, where in variants.items():
-            row[name] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, where), target)
+            out = layer_output(w, o_weight, o_bias, plan, x, rope, t, where)
+            row[name] = relative(out, target)
+            row[f"{name} @1"] = relative_at(out, target, 1)
         vb = attn.v_proj.bias
         value_bias = o_weight @ torch.cat([vb.double().view(plan.num_kv_heads, -1)[h // (plan.num_heads // plan.num_kv_heads)]
                                            for h in range(plan.num_heads)]) if vb is not None else torch.zeros(1)
@@ -137,6 +145,7 @@ def main() -> None:
         row["k drop"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), torch.zeros_like(t)), target)
         row["a.x spread"] = float((t[:, 1:] - 1).pow(2).mean().sqrt())
         row["a.x min"] = float(t[:, 1:].min())
+        row["a.x @0"], row["a.x @1"] = float(t[:, 0].mean()), float(t[:, 1].mean())
         rows.append(row)
         print(" | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     write_result("mla_bias_probe", {"model": args.model, "kv_budget": args.kv_budget, "plan": str(plan), "rows": rows})

@@ -645,6 +645,30 @@ def test_refinement_starts_from_the_closed_form_alternative_with_the_lowest_erro
     assert not mla.closed_form_alternatives(good, plan_mla(anatomy, kv_budget=0.5, format="exact"))
 
 
+def test_native_closed_forms_span_every_ridge_and_dominance_the_default_first():
+    """``layer_closed_forms``: in the native format one closed form per (ridge, dominance), the default ridge's
+    first and equal to ``fit_layer``'s; a smaller ridge brings a . x closer to 1 on the calibration tokens; the
+    exact format has one closed form."""
+    from attnsurg.calibrate import InputStatistics
+
+    model = build_tiny("qwen2", 384, num_key_value_heads=2)
+    anatomy = inspect_config(model.config)
+    plan = plan_mla(anatomy, kv_budget=0.5)
+    x, attn, _ = first_layer_on_windows(model, 4)
+    stats = InputStatistics()
+    stats.add(x)
+    forms = mla.layer_closed_forms(attn, stats, plan, True, None)
+    assert len(forms) == len(mla.CONSTANT_RIDGES) * len(mla.CHANNEL_DOMINANCES)
+    first = fit_layer(attn, stats.sigma, plan, True, stats.sigma_first)
+    assert all(torch.equal(getattr(forms[0], f), getattr(first, f)) for f in ("q_proj", "kv_a_weight", "kv_b_proj"))
+    tokens = x.reshape(-1, x.shape[-1]).double()
+    misses = [(tokens @ mla.constant_direction(stats.sigma, stats.sigma_first, ridge) - 1).pow(2).mean()
+              for ridge in sorted(mla.CONSTANT_RIDGES, reverse=True)]
+    assert all(later < earlier for earlier, later in zip(misses, misses[1:])), misses
+    assert not torch.equal(forms[0].q_proj, forms[len(mla.CHANNEL_DOMINANCES)].q_proj)  # the query bias folds on a
+    assert len(mla.layer_closed_forms(attn, stats, plan_mla(anatomy, kv_budget=0.5, format="exact"), True, None)) == 1
+
+
 def test_rope_key_bias_folds_whole_on_fast_pairs_and_drops_on_slow_ones():
     """The shrinkage of a native-format RoPE key bias: near 1 where the pair turns many times over the span
     (its bias term varies across keys), near 0 where it barely turns (the softmax is blind to it), monotone

@@ -39,7 +39,8 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
    q through q_a -> q_a_layernorm -> q_b: q_a is the identity plus one constant channel (the same norm trick),
    which the norm turns into exactly 1, and q_b's column for it is the bias.
 6. Refinement (optional, from the closed form; in the native format from whichever of its constant-channel
-   dominances, CHANNEL_DOMINANCES, scores lowest on the converted model's own stream): layer by layer, Adam on q_proj, kv_a and kv_b minimizes the
+   dominances, CHANNEL_DOMINANCES, and constant-direction ridges, CONSTANT_RIDGES, scores lowest on the
+   converted model's own stream): layer by layer, Adam on q_proj, kv_a and kv_b minimizes the
    relative squared error between the converted layer's residual-stream update and what brings the converted
    model's stream back to the original's (layer-wise reconstruction as in BRECQ, Li et al. 2021, carried
    sequentially as in GPTQ). Each token's error is measured relative to the norm of the original stream at
@@ -60,10 +61,11 @@ from attnsurg.methods.mla.engines import (  # noqa: F401
     ENGINES, VLLM_MLA_WIDTHS, VLLM_PREFILL_DIMS, engine_problems, vllm_head_dims, vllm_width_hint,
 )
 from attnsurg.methods.mla.fit import (  # noqa: F401
-    CHANNEL_DOMINANCE, CHANNEL_DOMINANCES, CONSTANT_RIDGE, NORM_CONSTANT, ROTATION_SPAN, closed_form_alternatives,
-    constant_direction, consumer_weight, fit_layer, frequency_rows, latent_factors, layer_closed_forms,
-    linearised_norm, MLAWeights, native_weights, query_mixes, query_moment, query_projection, rope_bias_shrinkage,
-    rope_frequencies, rorope_bases, split_components, with_dominance,
+    CHANNEL_DOMINANCE, CHANNEL_DOMINANCES, CONSTANT_RIDGE, CONSTANT_RIDGES, NORM_CONSTANT, ROTATION_SPAN,
+    closed_form_alternatives, constant_direction, consumer_weight, exact_weights, fit_layer, frequency_rows,
+    latent_factors, layer_closed_forms, layer_factors, LayerFactors, linearised_norm, MLAWeights, native_weights,
+    query_mixes, query_moment, query_projection, rope_bias_shrinkage, rope_frequencies, rorope_bases,
+    split_components, with_dominance,
 )
 from attnsurg.methods.mla.assemble import (  # noqa: F401
     assemble, attention_state, deepseek_config, flexible_rope_parameters, padded_heads, query_route_state,

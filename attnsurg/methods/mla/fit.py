@@ -25,6 +25,11 @@ CHANNEL_DOMINANCES = (32.0, 8.0, 2.0)
 # calibration tokens tighter but extrapolates to the converted model's own stream badly (calibrated on all six
 # domains, wiki-sample ppl x170 against x1.30 at 1.0): a large ridge keeps a near the mean direction.
 CONSTANT_RIDGE = 1.0
+# The ridges refinement chooses from, per layer, on the converted model's own stream. On Qwen2.5-Coder-0.5B the
+# ridge of 1.0 leaves a . x at 0.63-0.75 on the second token of a prompt in layers 16 and 20 (0.90 elsewhere),
+# which multiplies those tokens' closed-form error by 3-6 (``benchmarks/mla_bias_probe.py``, "@1" columns); at 0.1
+# the spread of a . x halves and the native layer errs about as little as the exact one.
+CONSTANT_RIDGES = (1.0, 0.1)
 
 
 # Key distances over which a native-format RoPE key bias keeps its rotation (``rope_bias_shrinkage``): the
@@ -170,17 +175,43 @@ def query_projection(Wq: torch.Tensor, maps: list[torch.Tensor], plan: MLAPlan) 
     return q_proj
 
 
+@dataclass
+class LayerFactors:
+    """One layer's closed form before its format: maps of the augmented input x~ = [x; 1] (bias last)."""
+
+    q_proj: torch.Tensor  # [H * (qk_nope + R), D + 1]
+    A: torch.Tensor  # [r, D + 1]: the latent
+    K_rope: torch.Tensor  # [R, D + 1]: the shared RoPE key
+    kv_b: torch.Tensor  # [H * (qk_nope + d), r]
+
+
 @torch.no_grad()
 def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
               sigma_first: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
-              sigma_received: torch.Tensor | None = None) -> MLAWeights:
+              sigma_received: torch.Tensor | None = None, ridge: float = CONSTANT_RIDGE) -> MLAWeights:
     """Closed-form MLA factors for one attention layer from its input second moment ``sigma`` ((D+1)^2) and,
-    for the native format, that of each window's first token (``sigma_first``, the attention sink) and the
-    source's RoPE frequencies ``inv_freq`` (slowly rotating key biases are shrunk; without it they fold whole).
-    What the cache carries (the RoRoPE bases, the latent) is fitted on ``sigma_received``, the moment weighted
-    by the attention each token receives, where given (``InputStatistics.sigma_received``): on Qwen2.5-Coder-0.5B
-    the attention sink takes 56% and 61% of layers 11 and 16's attention, and a latent fitted on tokens weighted
-    equally lost 86% and 68% of their output (``benchmarks/mla_split_probe.py --received``)."""
+    for the native format, that of each window's first token (``sigma_first``, the attention sink), the
+    source's RoPE frequencies ``inv_freq`` (slowly rotating key biases are shrunk; without it they fold whole)
+    and the ridge of the constant direction (``constant_direction``). What the cache carries is fitted on
+    ``sigma_received`` where given (``layer_factors``)."""
+    factors = layer_factors(attn, sigma, plan, weighted, sigma_received)
+    if plan.exact:
+        return exact_weights(factors, attn, plan)
+    return native_weights(factors, sigma, constant_direction(sigma, sigma_first, ridge), pair_frequencies(plan, inv_freq))
+
+
+def pair_frequencies(plan: MLAPlan, inv_freq: torch.Tensor | None) -> torch.Tensor | None:
+    return None if inv_freq is None else torch.tensor(rope_frequencies(plan, inv_freq))
+
+
+@torch.no_grad()
+def layer_factors(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
+                  sigma_received: torch.Tensor | None = None) -> LayerFactors:
+    """The closed form from the layer's input second moment ``sigma``. What the cache carries (the RoRoPE
+    bases, the latent) is fitted on ``sigma_received``, the moment weighted by the attention each token
+    receives, where given (``InputStatistics.sigma_received``): on Qwen2.5-Coder-0.5B the attention sink takes
+    56% and 61% of layers 11 and 16's attention, and a latent fitted on tokens weighted equally lost 86% and 68%
+    of their output (``benchmarks/mla_split_probe.py --received``)."""
     H, G, d, R, r = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.rope_dim, plan.kv_rank
     Wq = linearised_norm(augmented(attn.q_proj.weight, attn.q_proj.bias), attn, "q", sigma, H)
     Wk = linearised_norm(augmented(attn.k_proj.weight, attn.k_proj.bias), attn, "k", sigma, G)
@@ -225,10 +256,14 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
     q_proj = query_projection(Wq, maps, plan).mul_(scale)
 
     kv_b = torch.cat([torch.cat([B_ks[h // group], B_v[(h // group) * d : (h // group + 1) * d]]) for h in range(H)])
-    if not plan.exact:
-        frequencies = None if inv_freq is None else torch.tensor(rope_frequencies(plan, inv_freq))
-        return native_weights(q_proj, A, K_rope, kv_b, sigma, constant_direction(sigma, sigma_first), frequencies)
-    # Latent norm: channel r is a constant C; the RMS is then C / sqrt(r + 1) for every token.
+    return LayerFactors(q_proj, A, K_rope, kv_b)
+
+
+def exact_weights(factors: LayerFactors, attn, plan: MLAPlan) -> MLAWeights:
+    """The exact format: the latent norm's channel r is a constant C, so its RMS is C / sqrt(r + 1) for every
+    token; biases stay biases."""
+    q_proj, A, K_rope, kv_b = factors.q_proj, factors.A, factors.K_rope, factors.kv_b
+    r, Wo = plan.kv_rank, attn.o_proj.weight
     rms = NORM_CONSTANT / math.sqrt(r + 1)
     constant_row = torch.zeros(1, A.shape[1], dtype=torch.float64)
     constant_row[0, -1] = NORM_CONSTANT
@@ -239,7 +274,8 @@ def fit_layer(attn, sigma: torch.Tensor, plan: MLAPlan, weighted: bool = True,
     return MLAWeights(q_proj[:, :-1], q_proj[:, -1], kv_a[:, :-1], kv_a[:, -1], kv_a_norm, kv_b, o_bias)
 
 
-def constant_direction(sigma: torch.Tensor, sigma_first: torch.Tensor | None = None) -> torch.Tensor:
+def constant_direction(sigma: torch.Tensor, sigma_first: torch.Tensor | None = None,
+                       ridge: float = CONSTANT_RIDGE) -> torch.Tensor:
     """The direction a with a . x closest to 1 over the calibration tokens (ridge regression of 1 on x, the
     windows' first tokens weighted as much as all others together, since the attention sink's hidden state
     points elsewhere): the constant a bias-free model can still compute from its own normalised input."""
@@ -248,8 +284,8 @@ def constant_direction(sigma: torch.Tensor, sigma_first: torch.Tensor | None = N
     if sigma_first is not None:
         gram += sigma_first[:D, :D]
         target += sigma_first[:D, D]
-    ridge = CONSTANT_RIDGE * gram.diagonal().mean()
-    return torch.linalg.solve(gram + ridge * torch.eye(D, dtype=gram.dtype), target)
+    shift = ridge * gram.diagonal().mean()
+    return torch.linalg.solve(gram + shift * torch.eye(D, dtype=gram.dtype), target)
 
 
 def rope_bias_shrinkage(frequencies: torch.Tensor, spread: float, span: int = ROTATION_SPAN) -> torch.Tensor:
@@ -266,8 +302,8 @@ def rope_bias_shrinkage(frequencies: torch.Tensor, spread: float, span: int = RO
     return rotation / (rotation + spread)
 
 
-def native_weights(q_proj: torch.Tensor, A: torch.Tensor, K_rope: torch.Tensor, kv_b: torch.Tensor,
-                   sigma: torch.Tensor, a: torch.Tensor, rope_frequencies: torch.Tensor | None = None) -> MLAWeights:
+def native_weights(factors: LayerFactors, sigma: torch.Tensor, a: torch.Tensor,
+                   rope_frequencies: torch.Tensor | None = None) -> MLAWeights:
     """The engine-native layer: the exact format's constant latent channel, computed without a bias as
     S a . x (about S for every token), so the latent RMSNorm divides every token by about S / sqrt(r + 1) and
     its weight undoes that; S is CHANNEL_DOMINANCE times the latent's RMS size, so the channel rules the norm.
@@ -275,6 +311,7 @@ def native_weights(q_proj: torch.Tensor, A: torch.Tensor, K_rope: torch.Tensor, 
     biases) fold the same way: b ~ b (a . x), the RoPE key's shrunk where its pair rotates slowly
     (``rope_bias_shrinkage``, given the pairs' ``rope_frequencies``); the latent's own bias rides on the
     channel through kv_b."""
+    q_proj, A, K_rope, kv_b = factors.q_proj, factors.A, factors.K_rope, factors.kv_b
     r = A.shape[0]
     D = sigma.shape[0] - 1
     latent_size = torch.trace(A[:, :D] @ sigma[:D, :D] @ A[:, :D].T).sqrt()
@@ -291,7 +328,7 @@ def native_weights(q_proj: torch.Tensor, A: torch.Tensor, K_rope: torch.Tensor, 
     kv_a_norm = torch.full((r + 1,), scale / math.sqrt(r + 1), dtype=torch.float64)
     kv_a_norm[r] = 1 / math.sqrt(r + 1)
     kv_b = torch.cat([kv_b, kv_b @ A[:, D:]], dim=1)
-    q_proj = q_proj[:, :D].addr_(q_proj[:, D], a)  # folded in place: the fit's largest tensor
+    q_proj = torch.addr(q_proj[:, :D], q_proj[:, D], a)
     return MLAWeights(q_proj, None, kv_a, None, kv_a_norm, kv_b, None)
 
 
@@ -317,7 +354,15 @@ def closed_form_alternatives(w: MLAWeights, plan: MLAPlan) -> list[MLAWeights]:
 
 def layer_closed_forms(attn, stats: InputStatistics, plan: MLAPlan, weighted: bool,
                        inv_freq: torch.Tensor | None) -> list[MLAWeights]:
-    """One layer's closed form from its input statistics (the cache fitted on the attention each token
-    receives where ``stats`` has it), then its ``closed_form_alternatives``."""
-    w = fit_layer(attn, stats.sigma, plan, weighted, stats.sigma_first, inv_freq, stats.sigma_received)
-    return [w, *closed_form_alternatives(w, plan)]
+    """One layer's closed forms from its input statistics (the cache fitted on the attention each token
+    receives where ``stats`` has it): the exact format's one, or the native format's at each of
+    CONSTANT_RIDGES (CONSTANT_RIDGE first), each followed by its ``closed_form_alternatives``."""
+    factors = layer_factors(attn, stats.sigma, plan, weighted, stats.sigma_received)
+    if plan.exact:
+        return [exact_weights(factors, attn, plan)]
+    frequencies = pair_frequencies(plan, inv_freq)
+    forms = []
+    for ridge in sorted(CONSTANT_RIDGES, key=lambda r: r != CONSTANT_RIDGE):
+        w = native_weights(factors, stats.sigma, constant_direction(stats.sigma, stats.sigma_first, ridge), frequencies)
+        forms += [w, *closed_form_alternatives(w, plan)]
+    return forms

@@ -77,7 +77,7 @@ class MLASettings(ConvertSettings):
     refine_tokens: int | None = Field(None, gt=0)  # None: the first half of the calibration tokens
     refine_lr: float = Field(1e-3, gt=0)
     refine_schedule: Literal["constant", "cosine"] = "constant"
-    short_prompts: float = Field(0.0, ge=0, lt=1)  # share of each calibration window cut into short prompts
+    short_prompts: float = Field(0.1, ge=0, lt=1)  # share of each calibration window cut into short prompts
 
 
 class CompressSettings(Strict):

@@ -99,6 +99,18 @@ def row_of(name: str, record: dict, original: dict) -> dict:
     return row
 
 
+def updated_rows(published: dict, rows: list[dict], settings: dict, model: str) -> list[dict]:
+    """The rows run now, then ``published``'s rows of every other recipe, in its order, each carrying the
+    provenance of its own run."""
+    if published["settings"] != settings or published["model"] != model:
+        raise SystemExit("--update: the published matrix is of another model or settings; run every recipe instead")
+    fresh = {row["name"]: row for row in rows}
+    kept = [row if row["name"] in fresh else {**row, "provenance": row.get("provenance", published["provenance"])}
+            for row in published["rows"]]
+    merged = [fresh.pop(row["name"]) if row["name"] in fresh else row for row in kept]
+    return merged + list(fresh.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipes", nargs="*", help="shipped recipe names (default: all)")
@@ -108,6 +120,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="at most N facts and cloze items")
     parser.add_argument("--passkey-lengths", default="512,1024,2048,4096")
     parser.add_argument("--no-tasks", action="store_true")
+    parser.add_argument("--update", type=Path, default=None, help="a published matrix whose other rows to keep")
     args = parser.parse_args()
 
     names = args.recipes or [p.stem for p in shipped_recipes()]
@@ -128,6 +141,8 @@ def main() -> None:
         anatomy = inspect_config(load_config(resolve_source(str(checkpoint))))
         record = scores_of(str(checkpoint), settings, out_dir / f"{name}.scores.json")
         rows.append({**row_of(name, record, original), "model_type": anatomy.model_type})
+    if args.update:
+        rows = updated_rows(json.loads(args.update.read_text()), rows, settings, args.model)
     print(matrix_table(rows, settings) + "\n\n" + matrix_note(rows, settings))
     suffix = "" if args.model == DEMO else f"-{label}"
     write_result(f"quality_matrix{suffix}", {"model": args.model, "settings": settings, "rows": rows,

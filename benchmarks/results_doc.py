@@ -80,7 +80,17 @@ def results_doc(runs: list[dict]) -> str:
         command = "python benchmarks/quality_matrix.py" + ("" if run["model"] == DEMO else f" --model {run['model']}")
         parts += [f"## {run['model']}", "", f"`{command}`. {provenance_line(run['provenance'])}", "",
                   matrix_table(run["rows"], run["settings"]), "", matrix_note(run["rows"], run["settings"]), ""]
+        parts += [f"Rows {', '.join(names)}: {provenance_line(origin)}\n" for origin, names in earlier_runs(run)]
     return "\n".join(parts)
+
+
+def earlier_runs(run: dict) -> list[tuple[dict, list[str]]]:
+    """The rows kept from earlier runs (``quality_matrix.py --update``), grouped by the run that made them."""
+    groups: dict[str, tuple[dict, list[str]]] = {}
+    for row in run["rows"]:
+        if "provenance" in row:
+            groups.setdefault(json.dumps(row["provenance"], sort_keys=True), (row["provenance"], []))[1].append(row["name"])
+    return list(groups.values())
 
 
 def summary_cell(row: dict | None, original: dict) -> str:

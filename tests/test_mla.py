@@ -669,6 +669,22 @@ def test_native_closed_forms_span_every_ridge_and_dominance_the_default_first():
     assert len(mla.layer_closed_forms(attn, stats, plan_mla(anatomy, kv_budget=0.5, format="exact"), True, None)) == 1
 
 
+def test_the_report_names_the_closed_form_each_layer_started_from():
+    from attnsurg.methods.mla.report import ConvertReport, layer_error_lines, layer_error_records
+
+    anatomy = inspect_config(build_tiny("qwen2", 384, num_key_value_heads=2).config)
+    plan = plan_mla(anatomy, kv_budget=0.5)
+    labels = mla.closed_form_labels(plan)
+    assert len(labels) == len(mla.CONSTANT_RIDGES) * len(mla.CHANNEL_DOMINANCES) and len(set(labels)) == len(labels)
+    errors = [mla.LayerError(1.0, 0.5, start=start) for start in (0, len(labels) - 1, len(labels) - 1)]
+    report = ConvertReport(plan=plan, anatomy=anatomy, layer_errors=errors)
+    assert f"{labels[-1]} in 2; {labels[0]} in 1" in layer_error_lines(report)[-1]
+    assert [r["start"] for r in layer_error_records(report)] == [labels[0], labels[-1], labels[-1]]
+    exact = ConvertReport(plan=plan_mla(anatomy, kv_budget=0.5, format="exact"), anatomy=anatomy,
+                          layer_errors=[mla.LayerError(1.0, 0.5)])
+    assert not any("started from" in line for line in layer_error_lines(exact))
+
+
 def test_rope_key_bias_folds_whole_on_fast_pairs_and_drops_on_slow_ones():
     """The shrinkage of a native-format RoPE key bias: near 1 where the pair turns many times over the span
     (its bias term varies across keys), near 0 where it barely turns (the softmax is blind to it), monotone

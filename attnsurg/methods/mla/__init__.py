@@ -62,10 +62,10 @@ from attnsurg.methods.mla.engines import (  # noqa: F401
 )
 from attnsurg.methods.mla.fit import (  # noqa: F401
     CHANNEL_DOMINANCE, CHANNEL_DOMINANCES, CONSTANT_RIDGE, CONSTANT_RIDGES, NORM_CONSTANT, ROTATION_SPAN,
-    closed_form_alternatives, constant_direction, consumer_weight, exact_weights, fit_layer, frequency_rows,
-    latent_factors, layer_closed_forms, layer_factors, LayerFactors, linearised_norm, MLAWeights, native_weights,
-    query_mixes, query_moment, query_projection, rope_bias_shrinkage, rope_frequencies, rorope_bases,
-    split_components, with_dominance,
+    closed_form_alternatives, closed_form_labels, constant_direction, constant_ridges, consumer_weight,
+    exact_weights, fit_layer, frequency_rows, latent_factors, layer_closed_forms, layer_factors, LayerFactors,
+    linearised_norm, MLAWeights, native_weights, query_mixes, query_moment, query_projection, rope_bias_shrinkage,
+    rope_frequencies, rorope_bases, split_components, with_dominance,
 )
 from attnsurg.methods.mla.assemble import (  # noqa: F401
     assemble, attention_state, deepseek_config, flexible_rope_parameters, padded_heads, query_route_state,

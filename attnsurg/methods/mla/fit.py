@@ -352,6 +352,19 @@ def closed_form_alternatives(w: MLAWeights, plan: MLAPlan) -> list[MLAWeights]:
     return [with_dominance(w, dominance) for dominance in CHANNEL_DOMINANCES if dominance != CHANNEL_DOMINANCE]
 
 
+def closed_form_labels(plan: MLAPlan) -> list[str]:
+    """What each of ``layer_closed_forms`` is, in its order."""
+    if plan.exact:
+        return ["exact"]
+    dominances = [CHANNEL_DOMINANCE] + [d for d in CHANNEL_DOMINANCES if d != CHANNEL_DOMINANCE]
+    return [f"ridge {ridge:g}, dominance {dominance:g}" for ridge in constant_ridges() for dominance in dominances]
+
+
+def constant_ridges() -> list[float]:
+    """CONSTANT_RIDGES, CONSTANT_RIDGE first."""
+    return sorted(CONSTANT_RIDGES, key=lambda ridge: ridge != CONSTANT_RIDGE)
+
+
 def layer_closed_forms(attn, stats: InputStatistics, plan: MLAPlan, weighted: bool,
                        inv_freq: torch.Tensor | None) -> list[MLAWeights]:
     """One layer's closed forms from its input statistics (the cache fitted on the attention each token
@@ -362,7 +375,7 @@ def layer_closed_forms(attn, stats: InputStatistics, plan: MLAPlan, weighted: bo
         return [exact_weights(factors, attn, plan)]
     frequencies = pair_frequencies(plan, inv_freq)
     forms = []
-    for ridge in sorted(CONSTANT_RIDGES, key=lambda r: r != CONSTANT_RIDGE):
+    for ridge in constant_ridges():
         w = native_weights(factors, stats.sigma, constant_direction(stats.sigma, stats.sigma_first, ridge), frequencies)
         forms += [w, *closed_form_alternatives(w, plan)]
     return forms

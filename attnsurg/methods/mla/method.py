@@ -12,7 +12,7 @@ from attnsurg.methods.mla.conversion import convert
 from attnsurg.methods.mla.plan import MLAPlan, plan_mla
 from attnsurg.methods.mla.report import (
     ConvertReport,
-    layer_error_lines,
+    layer_error_lines, layer_error_records,
     mla_card_text,
     plan_rows,
     plan_table,
@@ -103,7 +103,7 @@ class MLA(SurgeryMethod):
         return mla_card_text(settings, report, calibration, healing)
 
     def report_record(self, report: ConvertReport) -> dict:
-        return {"plan": plan_rows(report.plan, report.anatomy), "layer_errors": [e._asdict() for e in report.layer_errors],
+        return {"plan": plan_rows(report.plan, report.anatomy), "layer_errors": layer_error_records(report),
                 "split": report.split.record() if report.split else None, "split_reason": split_line(report)}
 
     def report_text(self, model: str, report: ConvertReport, dry_run: bool) -> list:

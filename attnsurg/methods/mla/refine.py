@@ -47,6 +47,7 @@ class LayerError(NamedTuple):
     held_after: float | None = None
     steps: int = 0  # Adam steps of the kept weights (0: the closed form was kept)
     lr: float | None = None  # the learning rate of the kept steps (lower than asked after a backoff)
+    start: int = 0  # the closed form refinement started from: its index among the layer's (``fit.closed_form_labels``)
 
 
 # ---------------------------------------------------------------------------------- refinement
@@ -211,7 +212,7 @@ def refine_layer(
     for candidate in (w, *alternatives):
         attention = mla_attention(config, index, candidate, o_weight.cpu()).to(device)
         scored.append((error_over(0, train), len(scored), candidate))
-    before, _, w = min(scored)
+    before, start, w = min(scored)
     attention = closed_form()
     held_before = error_over(train, x.shape[0])
     per_step = min(train, max(1, REFINE_STEP_TOKENS // length))
@@ -247,7 +248,8 @@ def refine_layer(
     with torch.no_grad():
         every_row = torch.arange(length, device=device)
         output = torch.cat([output_at(every_row, slice(i, i + at_once)) for i in range(0, len(x), at_once)])
-    errors = LayerError(before, error_over(0, train), held_before, error_over(train, x.shape[0]), steps, lr if steps else None)
+    errors = LayerError(before, error_over(0, train), held_before, error_over(train, x.shape[0]), steps,
+                        lr if steps else None, start)
     return (weights_of(attention, w) if steps else w), errors, output
 
 

@@ -3,6 +3,7 @@ prints, and its ``--json`` rows."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from rich.table import Table
@@ -10,6 +11,7 @@ from rich.table import Table
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.calibrate import SHORT_PROMPT_TOKENS
 from attnsurg.methods.base import CardText, SurgeryReport
+from attnsurg.methods.mla.fit import closed_form_labels
 from attnsurg.methods.mla.plan import MLAPlan, split_reason
 from attnsurg.methods.mla.refine import REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, LayerError, Refinement
 from attnsurg.methods.mla.split import SplitChoice
@@ -208,4 +210,14 @@ def layer_error_lines(report: ConvertReport) -> list[str]:
         steps = sum(e.steps for e in report.layer_errors) / len(report.layer_errors)
         lines.append(f"on held-out calibration windows: {before:.4f} -> {after:.4f} (steps kept per layer: {steps:.0f} "
                      "on average)")
+    if report.layer_errors and len(labels := closed_form_labels(report.plan)) > 1:
+        starts = Counter(labels[e.start] for e in report.layer_errors)
+        lines.append("closed form each layer started from (the lowest error on the converted stream): "
+                     + "; ".join(f"{label} in {n}" for label, n in starts.most_common()))
     return lines
+
+
+def layer_error_records(report: ConvertReport) -> list[dict]:
+    """Each layer's errors, with the closed form refinement started from by name."""
+    labels = closed_form_labels(report.plan)
+    return [{**e._asdict(), "start": labels[e.start]} for e in report.layer_errors]

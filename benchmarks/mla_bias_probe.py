@@ -17,6 +17,9 @@ quarter, every layer on the original model's own inputs (no drift carried). Colu
   tokens, alone and with the query and latent folds (what the native format computes now at N = 1024);
 - k drop: the RoPE key's bias dropped everywhere;
 - "@1" columns: the same error at the second token of every window alone (the first a prompt's answer sees);
+- shipped ridge R: the native closed form as written (RoPE key bias shrunk, dominance 32) through the DeepseekV3
+  attention module, its constant direction fitted at ridge R (``mla.CONSTANT_RIDGES``), and a . x at the
+  second token with that direction;
 - the share of the layer's output energy the value bias (constant) carries, and the spread of a . x.
 Writes benchmarks/results/mla_bias_probe.json.
 """
@@ -34,6 +37,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import InputStatistics, attention_inputs, calibration_windows, causal_mask
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla
+from attnsurg.methods.mla.refine import mla_attention, sampled_output
 from attnsurg.requests import TextData
 from common import write_result
 
@@ -68,6 +72,13 @@ def layer_output(w: mla.MLAWeights, o_weight: torch.Tensor, o_bias: torch.Tensor
                                                            scale=(nope + R) ** -0.5)
     out = out.transpose(1, 2).reshape(n, L, H * d) @ o_weight.T
     return out + (o_bias if o_bias is not None else 0)
+
+
+def shipped_output(w: mla.MLAWeights, o_weight: torch.Tensor, plan: mla.MLAPlan, config, x: torch.Tensor,
+                   rope) -> torch.Tensor:
+    """A closed form's output through the DeepseekV3 attention module it is written as (float64)."""
+    attention = mla_attention(config, 0, w, o_weight).double()
+    return sampled_output(attention, x, rope, torch.arange(x.shape[1]))
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -142,6 +153,15 @@ def main() -> None:
             beta = mla.rope_bias_shrinkage(freqs[0::2], var, span)
             row[f"k shrink L{span}"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), beta * t[..., None]), target)
             row[f"native shrink L{span}"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, {"q", "latent"}, beta * t[..., None]), target)
+        native = mla.plan_mla(anatomy, args.kv_budget, rope_dim=args.rope_dim)
+        native_config = mla.deepseek_config(model, native, model.get_submodule(family.rotary_path).inv_freq)
+        native_config._attn_implementation = "sdpa"
+        native_rope = tuple(t.double() for t in DeepseekV3RotaryEmbedding(native_config)(inputs[0][:1], positions))
+        for ridge in mla.constant_ridges():
+            shipped = mla.fit_layer(attn, stats.sigma, native, True, stats.sigma_first, rotary.inv_freq, ridge=ridge)
+            out = shipped_output(shipped, o_weight, native, native_config, x, native_rope)
+            row[f"shipped ridge {ridge:g}"], row[f"shipped ridge {ridge:g} @1"] = relative(out, target), relative_at(out, target, 1)
+            row[f"a.x @1 ridge {ridge:g}"] = float((x[:, 1] @ mla.constant_direction(stats.sigma, stats.sigma_first, ridge)).mean())
         row["k drop"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), torch.zeros_like(t)), target)
         row["a.x spread"] = float((t[:, 1:] - 1).pow(2).mean().sqrt())
         row["a.x min"] = float(t[:, 1:].min())

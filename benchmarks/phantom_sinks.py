@@ -1,16 +1,15 @@
-"""Phantom attention sinks: how often an operated model turns a prompt's early token into a second sink.
+"""Phantom attention sinks: how often an operated model gives a prompt's early token a sink's activation.
 
     python benchmarks/phantom_sinks.py CHECKPOINT [CHECKPOINT ...] [--model qwen2.5-coder-0.5b]
                                        [--dataset code-sample] [--windows 64] [--length 32] [--factor 5]
 
 The first token of every prompt carries a massive residual-stream activation (on Qwen2.5-Coder-0.5B layer 2's
 MLP lifts it from a norm of about 10 to about 700); the other tokens do not. An operated layer whose output at
-an early position looks enough like the first token's triggers the same MLP there: that token's stream then
-dwarfs the original's, and the prediction of the next token fails (``position_profile.py`` shows it as a ratio
-of x10 to x40 at position 1). Scores the original and each checkpoint on the same WINDOWS windows of LENGTH
-tokens from the start of a built-in text's eval part and prints, per checkpoint, the share of windows whose
-position 1 (and positions 2-3) has a residual stream more than FACTOR times the original's norm after each
-decoder layer, and the median relative error of the stream there. Writes benchmarks/results/phantom_sinks.json.
+an early position looks enough like the first token's can trigger the same MLP there. Scores the original and
+each checkpoint on the same WINDOWS windows of LENGTH tokens from the start of a built-in text's eval part and
+prints, per checkpoint, the largest share over the layers of windows whose position 1 (and positions 2-3) has a
+residual stream more than FACTOR times the original's norm, and the median relative error of the last layer's
+stream at position 1 and at positions 4 on. Writes benchmarks/results/phantom_sinks.json.
 """
 
 from __future__ import annotations

@@ -99,11 +99,17 @@ def row_of(name: str, record: dict, original: dict) -> dict:
     return row
 
 
-def updated_rows(published: dict, rows: list[dict], settings: dict, model: str) -> list[dict]:
-    """The rows run now, then ``published``'s rows of every other recipe, in its order, each carrying the
-    provenance of its own run."""
+def published_matrix(path: Path, settings: dict, model: str) -> dict:
+    """The matrix ``--update`` merges into, refused before any run when it was scored otherwise."""
+    published = json.loads(path.read_text())
     if published["settings"] != settings or published["model"] != model:
         raise SystemExit("--update: the published matrix is of another model or settings; run every recipe instead")
+    return published
+
+
+def updated_rows(published: dict, rows: list[dict]) -> list[dict]:
+    """The rows run now, then ``published``'s rows of every other recipe, in its order, each carrying the
+    provenance of its own run."""
     fresh = {row["name"]: row for row in rows}
     kept = [row if row["name"] in fresh else {**row, "provenance": row.get("provenance", published["provenance"])}
             for row in published["rows"]]
@@ -129,6 +135,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"windows": args.windows, "limit": args.limit, "tasks": not args.no_tasks,
                 "passkey_lengths": [int(n) for n in args.passkey_lengths.split(",")], "items": item_fingerprint()}
+    published = published_matrix(args.update, settings, args.model) if args.update else None
     original = scores_of(args.model, settings, out_dir / f"{label}.scores.json")
     rows = [{**row_of("original", original, original), "ppl": original["ppl"]}]
     run_seconds = {}
@@ -141,8 +148,8 @@ def main() -> None:
         anatomy = inspect_config(load_config(resolve_source(str(checkpoint))))
         record = scores_of(str(checkpoint), settings, out_dir / f"{name}.scores.json")
         rows.append({**row_of(name, record, original), "model_type": anatomy.model_type})
-    if args.update:
-        rows = updated_rows(json.loads(args.update.read_text()), rows, settings, args.model)
+    if published:
+        rows = updated_rows(published, rows)
     print(matrix_table(rows, settings) + "\n\n" + matrix_note(rows, settings))
     suffix = "" if args.model == DEMO else f"-{label}"
     write_result(f"quality_matrix{suffix}", {"model": args.model, "settings": settings, "rows": rows,

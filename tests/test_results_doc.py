@@ -1,6 +1,7 @@
 """benchmarks/results_doc.py: docs/results.md and README's results table are what the committed runs give."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def test_the_results_page_has_each_model_its_command_and_provenance():
     assert "commit `0123456789`" in page and "| mla-50 | 500 | x1.300 | x1.500 | x1.500 c4 |" in page
 
 
-def test_a_recipe_rerun_alone_keeps_the_other_rows_with_the_run_that_made_them():
+def test_a_recipe_rerun_alone_keeps_the_other_rows_with_the_run_that_made_them(tmp_path):
     sys.path.insert(0, str(BENCHMARKS))
     matrix_spec = importlib.util.spec_from_file_location("quality_matrix", BENCHMARKS / "quality_matrix.py")
     quality_matrix = importlib.util.module_from_spec(matrix_spec)
@@ -52,18 +53,22 @@ def test_a_recipe_rerun_alone_keeps_the_other_rows_with_the_run_that_made_them()
     published = run("smollm2-135m", original, row("mla-50", 500, {"wiki-sample": 1.3, "c4-sample": 1.5}, 0.8),
                     row("tucker-50", 800, {"wiki-sample": 2.0, "c4-sample": 1.1}, 0.5))
     fresh = [original, row("mla-50", 500, {"wiki-sample": 1.2, "c4-sample": 1.4}, 0.9)]
-    rows = quality_matrix.updated_rows(published, fresh, SETTINGS, "smollm2-135m")
+    rows = quality_matrix.updated_rows(published, fresh)
     assert [r["name"] for r in rows] == ["original", "mla-50", "tucker-50"]
     assert rows[1] is fresh[1] and "provenance" not in rows[0] and rows[2]["provenance"] == published["provenance"]
     newer = {**published, "rows": rows, "provenance": {**published["provenance"], "commit": "fedcba9876543210"}}
     page = results_doc.results_doc([newer])
     assert "commit `fedcba9876`" in page and "Rows tucker-50: Run at commit `0123456789`" in page
-    try:
-        quality_matrix.updated_rows(published, fresh, {**SETTINGS, "windows": 4}, "smollm2-135m")
-    except SystemExit as refusal:
-        assert "another model or settings" in str(refusal)
-    else:
-        raise AssertionError("a matrix scored with other settings was merged")
+    path = tmp_path / "published.json"
+    path.write_text(json.dumps(published))
+    assert quality_matrix.published_matrix(path, SETTINGS, "smollm2-135m") == published
+    for settings, model in (({**SETTINGS, "windows": 4}, "smollm2-135m"), (SETTINGS, "qwen")):
+        try:
+            quality_matrix.published_matrix(path, settings, model)
+        except SystemExit as refusal:
+            assert "another model or settings" in str(refusal)
+        else:
+            raise AssertionError("a matrix of another model or settings was merged")
 
 
 def test_the_committed_docs_match_the_committed_runs():

@@ -56,8 +56,8 @@ class MLA(SurgeryMethod):
 
     def stream_refusal(self, settings: MLASettings, plan: MLAPlan) -> str | None:
         if settings.short_prompts and settings.token_weights == "received":
-            return ("--token-weights received weighs whole windows, and --short-prompts cuts them: with --stream "
-                    "drop one of them")
+            return ("--token-weights received weighs whole windows, and --short-prompts (default 0.1) cuts them: "
+                    "with --stream add --short-prompts 0 or drop --token-weights received")
         return None
 
     def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings: MLASettings,

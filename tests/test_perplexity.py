@@ -116,3 +116,15 @@ def test_an_mla_checkpoint_is_scored_in_the_attnsurg_runtime_with_the_stock_perp
     stock = run_perplexity(request).results[0]
     assert switched == [2]  # both layers' attention
     assert absorbed.ppl == pytest.approx(stock.ppl, rel=1e-5) and absorbed.tokens_scored == stock.tokens_scored
+
+
+def test_the_loki_line_names_the_head_dim_of_a_config_without_one():
+    """Qwen2's config has no head_dim attribute (it is hidden_size / heads): the line still says it."""
+    from transformers import Qwen2Config
+
+    from attnsurg.eval.perplexity import surgery_settings
+
+    config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    config.attnsurg = {"loki": {"rank": 8, "top_k": 0.25, "basis": "pre-rotary"}}
+    assert not hasattr(config, "head_dim")
+    assert surgery_settings(config) == "loki: rank 8 of head dim 16, top-k 0.25 of each query's context, pre-rotary basis"

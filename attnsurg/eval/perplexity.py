@@ -255,7 +255,8 @@ def surgery_settings(config) -> str | None:
         rank = loki["rank"]
         if isinstance(rank, list):
             rank = f"{min(rank)}-{max(rank)} per layer ({loki['variance']:g} of the key variance)"
-        return f"loki: rank {rank} of head dim {config.head_dim}, top-k {top_k}, {loki['basis']} basis"
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # Qwen2 has none
+        return f"loki: rank {rank} of head dim {head_dim}, top-k {top_k}, {loki['basis']} basis"
     return record.get("method")
 
 

@@ -349,15 +349,19 @@ def closed_form_alternatives(w: MLAWeights, plan: MLAPlan) -> list[MLAWeights]:
     """The other closed forms refinement may start from: the native format at each other CHANNEL_DOMINANCES."""
     if plan.exact:
         return []
-    return [with_dominance(w, dominance) for dominance in CHANNEL_DOMINANCES if dominance != CHANNEL_DOMINANCE]
+    return [with_dominance(w, dominance) for dominance in channel_dominances()[1:]]
+
+
+def channel_dominances() -> list[float]:
+    """CHANNEL_DOMINANCES, CHANNEL_DOMINANCE first: the order of a native closed form's alternatives."""
+    return sorted(CHANNEL_DOMINANCES, key=lambda dominance: dominance != CHANNEL_DOMINANCE)
 
 
 def closed_form_labels(plan: MLAPlan) -> list[str]:
     """What each of ``layer_closed_forms`` is, in its order."""
     if plan.exact:
         return ["exact"]
-    dominances = [CHANNEL_DOMINANCE] + [d for d in CHANNEL_DOMINANCES if d != CHANNEL_DOMINANCE]
-    return [f"ridge {ridge:g}, dominance {dominance:g}" for ridge in constant_ridges() for dominance in dominances]
+    return [f"ridge {ridge:g}, dominance {dominance:g}" for ridge in constant_ridges() for dominance in channel_dominances()]
 
 
 def constant_ridges() -> list[float]:

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
-from attnsurg.heal import Distiller, batch_indices, heal_model, lr_factor, select_trainable
+from attnsurg.heal import Distiller, batch_indices, heal_model, heal_state_dir, lr_factor, select_trainable
 from attnsurg.methods.mla import convert, norm_channel_of, plan_mla
 from attnsurg.recipe import HealSettings
 from attnsurg.requests import TextData
@@ -275,7 +275,7 @@ def mla_job(model, output, kv_budget: float, heal: bool = False):
 
 
 def test_under_several_processes_the_main_one_operates_and_the_others_load(tiny_checkpoints, tmp_path, monkeypatch):
-    """operated_once: the main process runs the surgery and saves it in the heal state directory; another
+    """operated_once: the main process runs the surgery, written into the heal state directory; another
     process never runs it and loads exactly that model."""
     from types import SimpleNamespace
 
@@ -285,24 +285,23 @@ def test_under_several_processes_the_main_one_operates_and_the_others_load(tiny_
     operated = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
     runs = []
 
-    def operate():
+    def write(directory):
         runs.append(1)
-        return operated
+        operated.save_pretrained(directory)
 
     def as_process(main: bool):
         state = SimpleNamespace(num_processes=2, is_main_process=main, wait_for_everyone=lambda: None)
         monkeypatch.setattr(pipeline, "process_state", lambda device=None: state)
 
     as_process(main=True)
-    assert pipeline.operated_once(operate, job) is operated and runs == [1]
+    main = pipeline.operated_once(write, job)
+    assert runs == [1]
     as_process(main=False)
-    loaded = pipeline.operated_once(operate, job)
+    loaded = pipeline.operated_once(write, job)
     assert runs == [1]  # not run again
-    for (name, a), (_, b) in zip(operated.state_dict().items(), loaded.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
-    monkeypatch.undo()
-    assert pipeline.operated_once(operate, mla_job(tiny_checkpoints["llama-gqa"], tmp_path / "out", 0.5)) is operated
-    assert runs == [1, 1]
+    for model in (main, loaded):
+        for (name, a), (_, b) in zip(operated.state_dict().items(), model.state_dict().items(), strict=True):
+            assert torch.equal(a, b), name
 
 
 def test_two_processes_convert_once_and_heal_together(tiny_checkpoints, corpus_file, tmp_path):
@@ -338,15 +337,36 @@ def test_a_heal_run_started_again_reuses_the_operated_model(tiny_checkpoints, tm
     operated = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
     runs = []
 
-    def operate():
+    def write(directory):
         runs.append(1)
-        return operated
+        operated.save_pretrained(directory)
 
-    first = pipeline.operated_once(operate, job)
-    again = pipeline.operated_once(operate, job)
-    assert first is operated and runs == [1] and torch.equal(again.lm_head.weight, operated.lm_head.weight)
-    pipeline.operated_once(operate, mla_job(tiny_checkpoints["llama-gqa"], tmp_path / "out", 0.25, heal=True))
+    first = pipeline.operated_once(write, job)
+    again = pipeline.operated_once(write, job)
+    assert runs == [1] and torch.equal(again.lm_head.weight, first.lm_head.weight)
+    pipeline.operated_once(write, mla_job(tiny_checkpoints["llama-gqa"], tmp_path / "out", 0.25, heal=True))
     assert runs == [1, 1]
+
+
+def test_a_streamed_surgery_heals_as_the_loaded_one(tiny_checkpoints, corpus_file, tmp_path):
+    """With a heal step the surgery still reads the source a layer at a time (into the heal state, float32),
+    and the healed checkpoint equals the one healed after a surgery on the loaded source."""
+    from attnsurg.api import convert
+
+    reports = {}
+    for stream in (True, False):
+        heal = {"data": {"text": str(corpus_file)}, "tokens": 256, "seq_len": 32, "batch_size": 2}
+        calibration = {"data": {"text": str(corpus_file)}, "tokens": 512, "seq_len": 64}
+        reports[stream] = convert(str(tiny_checkpoints["llama-gqa"]), tmp_path / f"out-{stream}", kv_budget=0.5,
+                                  refine_steps=2, stream=stream, heal=heal, calibration=calibration, eval_tokens=256,
+                                  eval_domains=[])
+        assert reports[stream].streamed is stream and reports[stream].heal.steps == 4
+        assert not heal_state_dir(tmp_path / f"out-{stream}").exists()
+    streamed, loaded = (AutoModelForCausalLM.from_pretrained(tmp_path / f"out-{s}", trust_remote_code=True)
+                        for s in (True, False))
+    ids = torch.arange(1, 17).unsqueeze(0)
+    assert torch.allclose(streamed(ids).logits, loaded(ids).logits, atol=1e-3)
+    assert reports[True].ppl_after == pytest.approx(reports[False].ppl_after, rel=1e-3)
 
 
 def test_several_datasets_take_the_training_windows_in_turn(tokenizer, tmp_path, monkeypatch):

@@ -238,10 +238,8 @@ def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: boo
 
 
 def stream_refusal(job: Job, source, anatomy: AttentionAnatomy) -> str | None:
-    """Why this run cannot read the source one decoder layer at a time, or None: healing holds the whole model,
-    and the layers are read from a local safetensors directory."""
-    if job.recipe.heal is not None:
-        return "healing needs the whole model in memory; run with stream: false, or heal afterwards with `attnsurg heal`"
+    """Why this run cannot read the source one decoder layer at a time, or None: the layers are read from a
+    local safetensors directory."""
     if source.kind not in ("dir", "builtin"):
         return (f"--stream reads a local safetensors checkpoint directory, and '{job.recipe.model.ref}' is a {source.kind} "
                 "source; convert it to a directory first, or drop --stream")
@@ -349,16 +347,15 @@ OPERATED_DONE, OPERATED_FAILED = "operated.done", "operated.failed"
 WAIT_POLL_SECONDS = 2.0
 
 
-def operated_once(operate: Callable[[], PreTrainedModel], job: Job) -> PreTrainedModel:
-    """The surgery's result, computed once per run that heals. With a heal step the result is saved beside
-    the output (``OUT.heal-state/operated``, float32, with the recipe that made it): a heal run started again
-    loads it instead of operating again (a GPU's refinement is not bit-reproducible, and healing resumes only
-    from the same starting weights), and under ``accelerate launch`` only the main process operates while the
-    others wait for its marker file (not a collective barrier, which times out within a long surgery)."""
+def operated_once(write: Callable[[Path], None], job: Job) -> PreTrainedModel:
+    """The surgery's result before healing, computed once per run: ``write(directory)`` writes it (float32)
+    into the heal state beside the output (``OUT.heal-state/operated``), with the recipe step that made it, and
+    it is loaded from there. A heal run started again loads it instead of operating again (a GPU's refinement is
+    not bit-reproducible, and healing resumes only from the same starting weights), and under ``accelerate
+    launch`` only the main process operates while the others wait for its marker file (not a collective
+    barrier, which times out within a long surgery)."""
     state = process_state(resolve_device(job.device))
     recipe = job.recipe
-    if recipe.heal is None:
-        return operate()
     shared = heal_state_dir(job.recipe.output) / OPERATED_DIR
     made_by = dump_recipe(recipe.model_copy(update={"steps": recipe.steps[:1]}))
     if state.is_main_process:
@@ -367,13 +364,13 @@ def operated_once(operate: Callable[[], PreTrainedModel], job: Job) -> PreTraine
             for stale in (OPERATED_DONE, OPERATED_FAILED, RECIPE_FILE):  # a half-saved model never matches
                 (shared / stale).unlink(missing_ok=True)
             try:
-                model = operate()
-                model.save_pretrained(shared)
+                write(shared)
                 (shared / RECIPE_FILE).write_text(made_by, encoding="utf-8")
             except BaseException:
                 shared.mkdir(parents=True, exist_ok=True)
                 (shared / OPERATED_FAILED).touch()
                 raise
+            model = saved_operated(shared, made_by)
         (shared / OPERATED_DONE).touch()
         state.wait_for_everyone()
         return model

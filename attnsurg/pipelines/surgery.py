@@ -1,6 +1,7 @@
 """The one surgery pipeline, for every method (``convert`` and ``compress`` alike):
-plan -> (dry run stops here) -> calibration windows -> the method's operation, on the loaded source or one
-layer at a time -> (healing) -> ppl before/after -> the checkpoint with its card and recipe.
+plan -> (dry run stops here) -> calibration windows -> the method's operation, one layer at a time (or on the
+source loaded whole, where it cannot be read so) -> (healing, with both models loaded) -> ppl before/after ->
+the checkpoint with its card and recipe.
 
 What differs between methods is asked of the method (``methods/base.SurgeryMethod``).
 """
@@ -8,9 +9,11 @@ What differs between methods is asked of the method (``methods/base.SurgeryMetho
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from transformers import PreTrainedModel
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
@@ -31,8 +34,10 @@ from attnsurg.pipelines.steps import (
     peak_memory_gb,
     start_streamed,
     start_surgery,
+    load_source_model,
     stream_refusal,
     streams,
+    surgery_device,
 )
 
 STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard is complete
@@ -54,10 +59,20 @@ def run_surgery(job: Job, dry_run: bool = False) -> SurgeryReport:
     if dry_run:
         return report
     refusal = job.method.stream_refusal(job.settings, report.plan) or stream_refusal(job, source, anatomy)
-    if streams(job.settings.stream, refusal):
+    if not streams(job.settings.stream, refusal):
+        return run_loaded(job, source, anatomy, report)
+    if job.recipe.heal is None:
         return run_streamed(job, source, anatomy, report)
+    return run_streamed_then_healed(job, source, anatomy, report)
+
+
+def run_loaded(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryReport) -> SurgeryReport:
+    """The operation on the source loaded whole (``--no-stream``, or a source that cannot be read a layer at a time)."""
     surgery = start_surgery(job, source, anatomy)
-    model = operated_once(lambda: operate(surgery, job, report), job)
+    if job.recipe.heal is None:
+        model = operate(surgery, job, report)
+    else:
+        model = operated_once(lambda shared: operate(surgery, job, report).save_pretrained(shared), job)
     finish_surgery(surgery, model, job, anatomy, report, lambda: card(job, report), job.method.extra_files())
     return report
 
@@ -78,24 +93,50 @@ def operate(surgery: Surgery, job: Job, report: SurgeryReport) -> PreTrainedMode
 def run_streamed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryReport) -> SurgeryReport:
     """The operation with one source layer in memory at a time, written straight into the staged output in the
     source's dtype; the source and the output are scored a module at a time."""
-    report.streamed = True
     surgery, config, dtype, reader = start_streamed(job, source, anatomy)
-    fingerprint = settings_fingerprint(job.recipe.model_dump(mode="json", exclude={"eval"}), surgery.windows,
-                                       Path(source.path))
-    with resumable_checkpoint(job.recipe.output, job.overwrite, fingerprint) as checkpoints:
-        target = StreamTarget(checkpoints.directory, dtype, STREAM_SHARD_SIZE, checkpoints)
-        label = f"{job.method.progress_label(job.settings)} (streamed)"
-        started = time.perf_counter()
-        with ui.progress_bar(label, total=anatomy.num_layers, unit="layers") as advance:
-            written = job.method.operate_streamed(reader, config, inputs_of(surgery, job),
-                                                  job.settings, report, target, advance)
-        report.operation_seconds = time.perf_counter() - started
-        finish_streamed(target.directory, written, source, surgery, job, report, lambda: card(job, report),
+
+    def finish(staging: Path, written: PretrainedConfig) -> None:
+        finish_streamed(staging, written, source, surgery, job, report, lambda: card(job, report),
                         job.method.extra_files())
+
+    stream_operation(job, surgery, reader, config, report, job.recipe.output, dtype, job.overwrite, finish)
     report.written = str(job.recipe.output)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()
     return report
+
+
+def run_streamed_then_healed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryReport) -> SurgeryReport:
+    """The operation one source layer at a time, written in float32 into the heal state (``operated_once``);
+    then healing, which holds the student and its teacher (the source) whole."""
+    surgery, config, _, reader = start_streamed(job, source, anatomy)
+    model = operated_once(lambda shared: stream_operation(job, surgery, reader, config, report, shared, torch.float32,
+                                                          True, lambda staging, written: written.save_pretrained(staging)),
+                          job)
+    surgery.model = load_source_model(job.recipe.model, source)
+    surgery.device = surgery_device(job.device, anatomy)
+    finish_surgery(surgery, model, job, anatomy, report, lambda: card(job, report), job.method.extra_files())
+    return report
+
+
+def stream_operation(job: Job, surgery: Surgery, reader, config: PretrainedConfig, report: SurgeryReport,
+                     output: Path, dtype: torch.dtype, overwrite: bool,
+                     finish: Callable[[Path, PretrainedConfig], None]) -> None:
+    """The method's streamed operation into ``output`` in ``dtype``, staged and resumable (``io.resume``);
+    ``finish(staging, written config)`` completes the staged directory before it takes the output's place."""
+    report.streamed = True
+    surgery_step = job.recipe.model_copy(update={"steps": job.recipe.steps[:1]})  # healing does not change it
+    fingerprint = settings_fingerprint(surgery_step.model_dump(mode="json", exclude={"eval"}), surgery.windows,
+                                       reader.path)
+    with resumable_checkpoint(output, overwrite, fingerprint) as checkpoints:
+        target = StreamTarget(checkpoints.directory, dtype, STREAM_SHARD_SIZE, checkpoints)
+        label = f"{job.method.progress_label(job.settings)} (streamed)"
+        started = time.perf_counter()
+        with ui.progress_bar(label, total=report.anatomy.num_layers, unit="layers") as advance:
+            written = job.method.operate_streamed(reader, config, inputs_of(surgery, job),
+                                                  job.settings, report, target, advance)
+        report.operation_seconds = time.perf_counter() - started
+        finish(target.directory, written)
 
 
 def card(job: Job, report: SurgeryReport) -> CardInfo:

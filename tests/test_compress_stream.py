@@ -114,9 +114,9 @@ def test_every_other_method_streams_to_the_checkpoint_compress_writes(budget, ti
     assert_streamed_like_loaded(tmp_path / "loaded", tmp_path / "streamed")
 
 
-def test_a_checkpoint_of_pickle_weights_loads_whole_and_refuses_stream(tiny_checkpoints, corpus_file, tmp_path):
-    """Streaming reads safetensors a tensor at a time: pickle weights (allowed with --allow-pickle) are loaded
-    whole by default, and --stream says why it cannot."""
+def test_a_checkpoint_of_pickle_weights_streams_through_a_safetensors_copy(tiny_checkpoints, corpus_file, tmp_path):
+    """Streaming reads safetensors a tensor at a time: pickle weights (allowed with --allow-pickle only) are
+    loaded once and written as safetensors beside the output, then streamed; the result equals the loaded run's."""
     import shutil
 
     from typer.testing import CliRunner
@@ -129,11 +129,41 @@ def test_a_checkpoint_of_pickle_weights_loads_whole_and_refuses_stream(tiny_chec
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(source / name, target)
     torch.save(AutoModelForCausalLM.from_pretrained(source).state_dict(), target / "pytorch_model.bin")
-    common = ["compress", str(target), "--allow-pickle", "--method", "svd", "--ratio", "0.5", "--calib-text",
+    common = ["compress", str(target), "--method", "svd", "--ratio", "0.5", "--calib-text",
               str(corpus_file), "--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "0"]
-    result = CliRunner().invoke(app, common + ["--json", "-o", str(tmp_path / "out")])
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["streamed"] is False
-    refused = CliRunner().invoke(app, common + ["--stream", "-o", str(tmp_path / "never")])
-    assert refused.exit_code == 2 and "pickle" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "never").exists()
+    refused = CliRunner().invoke(app, common + ["-o", str(tmp_path / "never")])
+    assert refused.exit_code == 2 and "--allow-pickle" in refused.stderr and not (tmp_path / "never").exists()
+    for name, extra in (("loaded", ["--no-stream"]), ("streamed", [])):
+        result = CliRunner().invoke(app, common + extra + ["--allow-pickle", "--json", "-o", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["streamed"] == (name == "streamed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loaded", "pickled", "streamed"]
+    loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gguf_source_is_dequantized_beside_the_output_and_streams(tiny_checkpoints, corpus_file, tmp_path):
+    """A .gguf file streams too: dequantized once into a safetensors directory beside the output (removed after
+    the run), then read a layer at a time; the checkpoint equals the one from the source loaded whole."""
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+    from attnsurg.io.gguf_export import export_gguf
+
+    gguf = export_gguf(str(tiny_checkpoints["llama-gqa"]), tmp_path / "tiny.gguf", "f32", "gpt-2").path
+    common = ["compress", str(gguf), "--method", "svdllm", "--ratio", "0.5", "--calib-text", str(corpus_file),
+              "--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "128", "--eval-domains", "none"]
+    reports = {}
+    for name, extra in (("loaded", ["--no-stream"]), ("streamed", [])):
+        result = CliRunner().invoke(app, common + extra + ["--json", "-o", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        reports[name] = json.loads(result.stdout)
+        assert reports[name]["streamed"] == (name == "streamed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loaded", "streamed", "tiny.gguf"]
+    assert reports["streamed"]["ppl_after"] == pytest.approx(reports["loaded"]["ppl_after"], rel=1e-4)
+    loaded, streamed = (load_model(resolve_source(str(tmp_path / name))) for name in ("loaded", "streamed"))
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, loaded(ids).logits, rtol=1e-4, atol=1e-4)

@@ -10,6 +10,9 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +24,12 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from attnsurg.arch.anatomy import check_sizes, meta_model
+from attnsurg import ui
 from attnsurg.arch.families import supported_names
 from attnsurg.errors import UserError
 from attnsurg.io.assets import ASSETS, ensure_demo_model
 from attnsurg.io.gguf_load import load_gguf
+from attnsurg.io.lazy import reads_lazily
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -43,6 +48,14 @@ class ModelSource:
     kind: str  # "dir", "gguf", "hub" or "builtin"
     path: str
     gguf_file: str | None = None
+    origin: str | None = None  # a dequantized copy's .gguf file, which decides a resumed run
+
+    @property
+    def files(self) -> Path:
+        """What the checkpoint is made of: its directory, or its one .gguf file."""
+        if self.origin:
+            return Path(self.origin)
+        return Path(self.path) / self.gguf_file if self.gguf_file else Path(self.path)
 
     @property
     def is_local(self) -> bool:
@@ -266,3 +279,28 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
         return AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
         raise UserError(f"'{source.ref}' has no usable tokenizer ({_first_line(exc)}); add tokenizer files to it")
+
+
+@contextmanager
+def layer_readable(source: ModelSource, beside: Path, allow_pickle: bool = False,
+                   trust_remote_code: bool = False) -> Iterator[ModelSource]:
+    """The source as a safetensors checkpoint directory that a surgery reads one tensor at a time: itself, or
+    (a .gguf file, pickle weights) the model loaded once and written as one beside ``beside`` in its own
+    dtype (a .gguf dequantized to float32), removed after the run."""
+    if source.kind in ("dir", "builtin") and reads_lazily(Path(source.path)):
+        yield source
+        return
+    beside = Path(beside)
+    staged = beside.parent / f".{beside.name}.source"
+    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        config = load_config(source, trust_remote_code)
+        dtype = DTYPES.get(str(config.dtype or "float32").removeprefix("torch."), torch.float32)
+        with ui.status(f"Writing {source.ref} as safetensors in '{staged}' to read it a layer at a time..."):
+            model = load_model(source, dtype, "cpu", trust_remote_code, allow_pickle)
+            model.save_pretrained(staged)
+            load_tokenizer(source, trust_remote_code).save_pretrained(staged)
+            del model
+        yield ModelSource(source.ref, "dir", str(staged), origin=str(source.files))
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)

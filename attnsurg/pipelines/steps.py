@@ -23,7 +23,7 @@ from attnsurg.eval.perplexity import Tokens, perplexity_of, scoring_windows
 from attnsurg.eval.windows import Window
 from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
-from attnsurg.io.lazy import CheckpointReader, offloaded_model, reads_lazily, require_finite
+from attnsurg.io.lazy import CheckpointReader, offloaded_model, require_finite
 from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_device
 from attnsurg.io.save import check_output_path, finish_staging, write_checkpoint
 from attnsurg.modeling import register as register_attnsurg
@@ -238,14 +238,12 @@ def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: boo
 
 
 def stream_refusal(job: Job, source, anatomy: AttentionAnatomy) -> str | None:
-    """Why this run cannot read the source one decoder layer at a time, or None: the layers are read from a
-    local safetensors directory."""
-    if source.kind not in ("dir", "builtin"):
-        return (f"--stream reads a local safetensors checkpoint directory, and '{job.recipe.model.ref}' is a {source.kind} "
-                "source; convert it to a directory first, or drop --stream")
-    if not reads_lazily(Path(source.path)):
-        return (f"--stream reads safetensors weights a tensor at a time, and '{job.recipe.model.ref}' has none (pickle "
-                "weights); drop --stream")
+    """Why this run cannot read the source one decoder layer at a time, or None: a local checkpoint is read
+    from its safetensors, or from a safetensors copy written first (``io.load.layer_readable``: a .gguf file,
+    pickle weights)."""
+    if source.kind == "hub":
+        return (f"--stream reads a local checkpoint, and '{job.recipe.model.ref}' is a hub id; download it to a "
+                "directory first, or drop --stream")
     return None
 
 

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.info import inspect_model
+from attnsurg.io.load import layer_readable
 from attnsurg.io.card import CardInfo
 from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.base import StreamTarget, SurgeryInputs, SurgeryReport
@@ -61,9 +62,11 @@ def run_surgery(job: Job, dry_run: bool = False) -> SurgeryReport:
     refusal = job.method.stream_refusal(job.settings, report.plan) or stream_refusal(job, source, anatomy)
     if not streams(job.settings.stream, refusal):
         return run_loaded(job, source, anatomy, report)
-    if job.recipe.heal is None:
-        return run_streamed(job, source, anatomy, report)
-    return run_streamed_then_healed(job, source, anatomy, report)
+    model = job.recipe.model
+    with layer_readable(source, job.recipe.output, model.allow_pickle, model.trust_remote_code) as readable:
+        if job.recipe.heal is None:
+            return run_streamed(job, readable, anatomy, report)
+        return run_streamed_then_healed(job, readable, anatomy, report)
 
 
 def run_loaded(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryReport) -> SurgeryReport:
@@ -99,7 +102,7 @@ def run_streamed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryRep
         finish_streamed(staging, written, source, surgery, job, report, lambda: card(job, report),
                         job.method.extra_files())
 
-    stream_operation(job, surgery, reader, config, report, job.recipe.output, dtype, job.overwrite, finish)
+    stream_operation(job, source, surgery, reader, config, report, job.recipe.output, dtype, job.overwrite, finish)
     report.written = str(job.recipe.output)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()
@@ -110,7 +113,7 @@ def run_streamed_then_healed(job: Job, source, anatomy: AttentionAnatomy, report
     """The operation one source layer at a time, written in float32 into the heal state (``operated_once``);
     then healing, which holds the student and its teacher (the source) whole."""
     surgery, config, _, reader = start_streamed(job, source, anatomy)
-    model = operated_once(lambda shared: stream_operation(job, surgery, reader, config, report, shared, torch.float32,
+    model = operated_once(lambda shared: stream_operation(job, source, surgery, reader, config, report, shared, torch.float32,
                                                           True, lambda staging, written: written.save_pretrained(staging)),
                           job)
     surgery.model = load_source_model(job.recipe.model, source)
@@ -119,7 +122,7 @@ def run_streamed_then_healed(job: Job, source, anatomy: AttentionAnatomy, report
     return report
 
 
-def stream_operation(job: Job, surgery: Surgery, reader, config: PretrainedConfig, report: SurgeryReport,
+def stream_operation(job: Job, source, surgery: Surgery, reader, config: PretrainedConfig, report: SurgeryReport,
                      output: Path, dtype: torch.dtype, overwrite: bool,
                      finish: Callable[[Path, PretrainedConfig], None]) -> None:
     """The method's streamed operation into ``output`` in ``dtype``, staged and resumable (``io.resume``);
@@ -127,7 +130,7 @@ def stream_operation(job: Job, surgery: Surgery, reader, config: PretrainedConfi
     report.streamed = True
     surgery_step = job.recipe.model_copy(update={"steps": job.recipe.steps[:1]})  # healing does not change it
     fingerprint = settings_fingerprint(surgery_step.model_dump(mode="json", exclude={"eval"}), surgery.windows,
-                                       reader.path)
+                                       source.files)
     with resumable_checkpoint(output, overwrite, fingerprint) as checkpoints:
         target = StreamTarget(checkpoints.directory, dtype, STREAM_SHARD_SIZE, checkpoints)
         label = f"{job.method.progress_label(job.settings)} (streamed)"

@@ -18,7 +18,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from attnsurg.methods.loki import apply_loki, plan_loki, top_k_recall
+from attnsurg.methods.base import operate_loaded
+from attnsurg.methods.loki import plan_loki, top_k_recall
 from attnsurg.modeling.modeling_attnsurg import LokiAttention
 from common import prepare, write_result
 
@@ -70,20 +71,19 @@ def main() -> None:
     args = parser.parse_args()
 
     setup = prepare(args.model, args.windows, args.calib_tokens, args.calib_seq_len)
-    attention_stats = [x for x, _ in setup.stats]
     first_window = setup.tokens.ids[None, :1024]
     rows = []
     for rank in args.ranks:
         for top_k in args.top_k:
             plan = plan_loki(setup.anatomy, rank, top_k)
-            model = apply_loki(setup.model, setup.family, attention_stats, plan, setup.seq_len)
+            model = operate_loaded(setup.model, setup.family, setup.stats, plan, setup.seq_len).model
             ppl = setup.ppl(model)
             recall = top_k_recall(model, first_window)
             rows.append({"rank": rank, "top_k": top_k, "ppl": ppl, "ppl_ratio": ppl / setup.original_ppl, "recall": recall})
             print(f"rank {rank}, top-k {top_k}: x{ppl / setup.original_ppl:.3f}, recall {recall:.3f}", flush=True)
     speed = []
     for context in args.contexts:
-        loki = apply_loki(setup.model, setup.family, attention_stats, plan_loki(setup.anatomy, 32, context // 4), setup.seq_len)
+        loki = operate_loaded(setup.model, setup.family, setup.stats, plan_loki(setup.anatomy, 32, context // 4), setup.seq_len).model
         for whole in (False, True):
             dense_s, loki_s = decode_seconds(setup.model, context, whole), decode_seconds(loki, context, whole)
             speed.append({"context": context, "scope": "model" if whole else "layer", "dense_s": dense_s,

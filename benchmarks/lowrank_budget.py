@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from attnsurg.methods.lowrank import compress, plan_lowrank
+from attnsurg.methods.base import operate_loaded
+from attnsurg.methods.lowrank import plan_lowrank
 from common import Setup, cache_bytes_per_token, prepare, write_result
 
 VARIANTS = [  # label, method, weighted, allocate
@@ -36,7 +37,7 @@ def run_rows(setup: Setup, ratio: float, targets: str, kv_latent: bool) -> list[
     for label, method, weighted, allocate in VARIANTS:
         plan = plan_lowrank(setup.anatomy, method, targets, ratio=ratio, kv_latent=kv_latent, allocate=allocate, weighted=weighted)
         start = time.perf_counter()
-        result = compress(setup.model, setup.family, setup.stats, plan, setup.seq_len)
+        result = operate_loaded(setup.model, setup.family, setup.stats, plan, setup.seq_len)
         seconds = time.perf_counter() - start
         ppl = setup.ppl(result.model)
         rows.append({"variant": label, "ratio_requested": ratio, "kept": result.plan.kept_fraction, "ppl": ppl,

@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from attnsurg.methods.headtensor import compress_head_tensor, plan_head_tensor
-from attnsurg.methods.lowrank import compress, plan_lowrank
-from attnsurg.methods.stacked_tucker import MAX_ITERATIONS, compress_stacked_tucker, plan_stacked_tucker
+from attnsurg.methods.base import operate_loaded
+from attnsurg.methods.headtensor import plan_head_tensor
+from attnsurg.methods.lowrank import plan_lowrank
+from attnsurg.methods.stacked_tucker import MAX_ITERATIONS, plan_stacked_tucker
 from common import cache_bytes_per_token, prepare, write_result
 
 TARGETS = "q,k,v,o"
@@ -56,14 +57,10 @@ def main() -> None:
     for ratio in args.ratios:
         for label, plan in variants(setup.anatomy, ratio, args.plain_tensor, args.data_free_stacked):
             start = time.perf_counter()
-            if label.startswith("svdllm"):
-                result = compress(setup.model, setup.family, setup.stats, plan, setup.seq_len)
-            elif label.startswith("stacked"):
+            if label.startswith("stacked"):
                 plan, sweeps = plan
-                result = compress_stacked_tucker(setup.model, setup.family, setup.stats, plan, seq_len=setup.seq_len,
-                                                 max_iterations=MAX_ITERATIONS if sweeps is None else sweeps)
-            else:
-                result = compress_head_tensor(setup.model, setup.family, setup.stats, plan, seq_len=setup.seq_len)
+                plan.max_iterations = MAX_ITERATIONS if sweeps is None else sweeps
+            result = operate_loaded(setup.model, setup.family, setup.stats, plan, setup.seq_len)
             seconds = time.perf_counter() - start
             ppl = setup.ppl(result.model)
             plan = result.plan

@@ -10,7 +10,8 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.io.lazy import CheckpointReader
 from attnsurg.io.load import load_model, resolve_source
-from attnsurg.methods.lowrank import compress, plan_lowrank
+from attnsurg.methods.base import operate_loaded
+from attnsurg.methods.lowrank import plan_lowrank
 from attnsurg.methods.compress_stream import compress_streamed
 
 from conftest import assert_streamed_like_loaded
@@ -27,7 +28,7 @@ def test_streamed_compression_equals_the_in_memory_one(variant, targets, kv_late
     plan = plan_lowrank(inspect_config(source.config), method, targets, ratio=0.5, kv_latent=kv_latent)
     attentions = attention_layers(source, family)
     stats = input_statistics(source, attentions + [a.o_proj for a in attentions], windows)
-    in_memory = compress(source, family, list(zip(stats[:2], stats[2:])), plan, windows.shape[1])
+    in_memory = operate_loaded(source, family, list(zip(stats[:2], stats[2:])), plan, windows.shape[1])
     out = tmp_path / "streamed"
     out.mkdir()
     config, errors = compress_streamed(CheckpointReader(tmp_path / "source"), source.config, family, windows, plan, out,

@@ -6,21 +6,19 @@ from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
-from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
-from attnsurg.methods.loki import apply_loki, parse_top_k, plan_loki, top_k_recall
+from attnsurg.methods.base import operate_loaded
+from attnsurg.methods.loki import parse_top_k, plan_loki, top_k_recall
 
 from conftest import build_tiny, greedy_decode_matches_recomputation
-from helpers import VOCAB, held_out, logit_error
+from helpers import VOCAB, calibration, held_out, logit_error
 
 
 def loki_model(model, family: str, rank: int | None, top_k, basis: str = "post-rope", variance: float | None = None):
-    windows = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
-    fam = family_for_surgery(family)
-    stats = input_statistics(model, attention_layers(model, fam), windows)
-    return apply_loki(model, fam, stats, plan_loki(inspect_config(model.config), rank, top_k, basis, variance), 64)
+    plan = plan_loki(inspect_config(model.config), rank, top_k, basis, variance)
+    return operate_loaded(model, family_for_surgery(family), calibration(model, family), plan, 64).model
 
 
 def layer_ranks(model) -> list[int]:

@@ -12,7 +12,8 @@ from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
 from attnsurg.linalg import cholesky_whitening
-from attnsurg.methods.lowrank import Unit, compress, plan_lowrank
+from attnsurg.methods.base import operate_loaded
+from attnsurg.methods.lowrank import Unit, plan_lowrank
 from attnsurg.methods.rank_allocation import allocate_ranks
 from attnsurg.modeling.modeling_attnsurg import LatentKVAttention, LowRankLinear
 
@@ -21,7 +22,7 @@ from helpers import VOCAB, calibration, held_out, logit_error, remote_code_match
 
 def compressed(model, family: str, stats, **plan_args):
     plan = plan_lowrank(inspect_config(model.config), **plan_args)
-    return compress(model, family_for_surgery(family), stats, plan, 64).model
+    return operate_loaded(model, family_for_surgery(family), stats, plan, 64).model
 
 
 @pytest.mark.parametrize("method", ["svd", "asvd", "svdllm"])

@@ -46,9 +46,10 @@ def tiny():
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s.method}{'-stacked' if getattr(s, 'stacked', False) else ''}")
+@torch.no_grad()
 def test_a_layer_operated_alone_writes_what_the_whole_model_operation_holds(settings, tiny):
-    """``operate_layer`` (the streamed path) and ``operate`` (the loaded one) are one operation: every tensor the
-    layer writes is the operated model's, and the plan finds its method again."""
+    """``operate`` (the loaded path) assembles what ``operate_layer`` (the streamed path's step) writes: every
+    tensor a layer writes is in the operated model unchanged, and the plan finds its method again."""
     model, family, layer_stats = tiny
     method = method_for(settings)
     anatomy = inspect_config(model.config)

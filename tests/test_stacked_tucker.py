@@ -12,7 +12,8 @@ from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
 from attnsurg.methods import stacked_tucker
 from attnsurg.methods.consumers import layer_contexts
-from attnsurg.methods.stacked_tucker import compress_stacked_tucker, plan_stacked_tucker
+from attnsurg.methods.base import operate_loaded
+from attnsurg.methods.stacked_tucker import plan_stacked_tucker
 from attnsurg.modeling.modeling_attnsurg import StackedTuckerAttention
 
 from conftest import build_tiny, greedy_decode_matches_recomputation
@@ -23,7 +24,7 @@ ALL = ("q", "k", "v", "o")
 
 def stacked(model, family: str, stats, **plan_args):
     plan = plan_stacked_tucker(inspect_config(model.config), ALL, **plan_args)
-    return compress_stacked_tucker(model, family_for_surgery(family), stats, plan)
+    return operate_loaded(model, family_for_surgery(family), stats, plan, 512)
 
 
 @pytest.mark.parametrize("family, kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2), ("mistral", 2), ("qwen3", 2)])

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from attnsurg.arch import inspect_config
@@ -9,19 +8,18 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.load import load_model, resolve_source
-from attnsurg.methods.base import method_for
-from attnsurg.methods.loki import apply_loki, plan_loki
+from attnsurg.methods.base import method_for, operate_loaded
+from attnsurg.methods.loki import plan_loki
 from attnsurg.methods.topk import TopKSettings, plan_topk
 
 from conftest import build_tiny
-from helpers import VOCAB, held_out, logit_error
+from helpers import VOCAB, calibration, held_out, logit_error
 
 
 def topk_model(model, family: str, top_k):
-    """``compress --method topk`` on a loaded model (it reads no calibration statistics)."""
-    method = method_for(TopKSettings(top_k=top_k))
-    plan = method.plan(inspect_config(model.config), TopKSettings(top_k=top_k))
-    return method.operate(model, family_for_surgery(family), [], plan, 64, seed=0).model
+    """``compress --method topk`` on a loaded model (its statistics go unread)."""
+    plan = method_for(TopKSettings(top_k=top_k)).plan(inspect_config(model.config), TopKSettings(top_k=top_k))
+    return operate_loaded(model, family_for_surgery(family), calibration(model, family), plan, 64).model
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
@@ -39,13 +37,9 @@ def test_error_falls_as_more_keys_are_kept():
 
 def test_it_is_loki_at_full_rank():
     """Exact scores select what Loki's full-rank PCA scores select: the two models agree."""
-    from attnsurg.calibrate import attention_layers, input_statistics
-
     model = build_tiny("llama", VOCAB, num_key_value_heads=2)
-    windows = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
-    family = family_for_surgery("llama")
-    stats = input_statistics(model, attention_layers(model, family), windows)
-    loki = apply_loki(model, family, stats, plan_loki(inspect_config(model.config), 16, 0.25), 64)
+    plan = plan_loki(inspect_config(model.config), 16, 0.25)
+    loki = operate_loaded(model, family_for_surgery("llama"), calibration(model, "llama"), plan, 64).model
     assert logit_error(topk_model(model, "llama", 0.25), loki, held_out()) < 1e-4
 
 

@@ -4,8 +4,8 @@ A method (:class:`SurgeryMethod`) owns its settings (a recipe step and its comma
 operation on a loaded model (``operate_model``) and on one decoder layer at a time (``operate_streamed``),
 its report and what its model card says. ``pipelines/surgery.py`` calls these and nothing else of the method.
 The ``compress`` methods share :class:`CompressMethod`, which runs the whole-model and the streamed operation
-from each layer's input statistics, so such a method writes its plan, its operation on one layer's
-statistics and its card text; ``convert --to mla`` (``methods/mla/method.py``) implements the interface
+from each layer's input statistics through the method's one per-layer operation (``operate_layer``), so such a
+method writes its plan, that operation and its card text; ``convert --to mla`` (``methods/mla/method.py``) implements the interface
 itself. Adding a method is one module holding one subclass, registered with :func:`register_method`.
 """
 
@@ -23,7 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics, attention_layers, input_statistics
-from attnsurg.methods.consumers import PROJECTIONS, LayerContext
+from attnsurg.methods.consumers import PROJECTIONS, LayerContext, layer_contexts
 from attnsurg.recipe import CompressSettings
 from attnsurg.requests import COMMAND_CALIBRATION, Calibration
 
@@ -179,8 +179,8 @@ class SurgeryMethod(ABC):
 
 class CompressMethod(SurgeryMethod):
     """A ``compress`` method: it operates on each layer from its attention-input and o_proj-input statistics
-    (``operate`` on a loaded model, ``operate_layer`` on one layer, what streaming runs), and its checkpoint
-    loads with attnsurg's modeling file."""
+    (``operate_layer``: a streamed run calls it layer by layer, a loaded one through ``operate``), and its
+    checkpoint loads with attnsurg's modeling file."""
 
     settings: ClassVar[type[CompressSettings]]
     step: ClassVar[str] = "compress"
@@ -247,14 +247,32 @@ class CompressMethod(SurgeryMethod):
     def report_text(self, model: str, report: SurgeryReport, dry_run: bool) -> list:
         return self.plan_text(model, report.plan, report.anatomy, dry_run)
 
-    @abstractmethod
+    @torch.no_grad()
     def operate(self, model: PreTrainedModel, family: Family, statistics: list[LayerStatistics], plan,
-                seq_len: int, seed: int, progress: Progress = None) -> Operated:
-        """Every layer of a loaded model, from each layer's calibration statistics; ``progress()`` once a layer."""
+                seq_len: int, seed: int = 0, progress: Progress = None) -> Operated:
+        """Every layer of a loaded model, from each layer's calibration statistics: ``operate_layer`` on each
+        (after a first pass of ``survey_layer`` where the plan needs one), assembled in memory as a streamed
+        run writes it; ``progress()`` once a layer."""
+        from attnsurg.methods.factorized import assemble_factorized
+
+        contexts = layer_contexts(model, family, statistics, seq_len)
+        if self.needs_survey(plan):
+            self.surveyed(plan, [self.survey_layer(plan, index, context) for index, context in enumerate(contexts)])
+        layers = []
+        for index, context in enumerate(contexts):
+            layers.append(self.operate_layer(plan, family, index, context, seed))
+            if progress:
+                progress()
+        records = [record for layer in layers for record in layer.records]
+        self.warn_capped(plan, [fit for layer in layers for fit in layer.unconverged], len(records))
+        errors = self.apply_records(plan, records)
+        replaced = {path: state for layer in layers for path, state in layer.replaced.items()}
+        added = {name: tensor for layer in layers for name, tensor in layer.added.items()}
+        return Operated(assemble_factorized(model, self.surgery(plan, family), replaced, added), plan, errors)
 
     @abstractmethod
     def operate_layer(self, plan, family: Family, index: int, context: LayerContext, seed: int) -> LayerTensors:
-        """Layer ``index`` alone, from its statistics, as ``operate`` does it."""
+        """Layer ``index`` alone, from its statistics: what every run of the method does, one layer at a time."""
 
     @abstractmethod
     def plan_card_text(self, settings, plan, anatomy: AttentionAnatomy) -> CardText:
@@ -334,3 +352,9 @@ def method_for(settings) -> SurgeryMethod:
 def method_of(plan) -> SurgeryMethod:
     """The method that made this plan."""
     return next(method for method in SURGERY_METHODS if type(plan) is method.plan_type)
+
+
+def operate_loaded(model: PreTrainedModel, family: Family, statistics: list[LayerStatistics], plan, seq_len: int,
+                   seed: int = 0, progress: Progress = None) -> Operated:
+    """A compress plan carried out on a loaded model by its method (``CompressMethod.operate``)."""
+    return method_of(plan).operate(model, family, statistics, plan, seq_len, seed, progress)

@@ -142,5 +142,5 @@ def layer_contexts(source: PreTrainedModel, family: Family, stats, seq_len: int)
     return [
         LayerContext(getattr(layer, family.attention_attr), x, o, layer_inv_freq(rotary, config, index),
                      config.num_attention_heads, config.num_key_value_heads, seq_len)
-        for index, (layer, (x, o)) in enumerate(zip(layers, stats))
+        for index, (layer, (x, o)) in enumerate(zip(layers, stats, strict=True))
     ]

@@ -32,11 +32,10 @@ from transformers import PreTrainedModel
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
-from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, cp, register, tucker
-from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_method
-from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, register_method
+from attnsurg.methods.factorized import factorized_card_text, factorized_record, factorized_text
 from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.methods.head_whitening import Whitened, consumer_blocks, module_state, refit_hidden_factor, whiten
 from attnsurg.methods.lowrank import PROJECTIONS, parse_targets, targets_of, unsupported_reason
@@ -260,14 +259,6 @@ def plan_head_tensor(
 # --- fitting ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class HeadTensorResult:
-    model: PreTrainedModel
-    plan: HeadTensorPlan
-    errors: list[float] = field(default_factory=list)  # per unit: relative error of the whitened tensor
-    unconverged: list[tuple[str, float]] = field(default_factory=list)
-
-
 def warn_unconverged(unconverged: list[tuple[str, float]], total: int, what: str, cap: str, tolerance: float) -> None:
     """One warning for the fits that stopped at their cap: how many, and the worst achieved error."""
     if unconverged:
@@ -333,33 +324,6 @@ def decompose_layer(plan: HeadTensorPlan, index: int, attention: torch.nn.Module
     return layer
 
 
-@torch.no_grad()
-def compress_head_tensor(
-    source: PreTrainedModel,
-    family: Family,
-    stats: list[tuple[InputStatistics, InputStatistics]],
-    plan: HeadTensorPlan,
-    seed: int = 0,
-    seq_len: int = 512,
-    progress=None,
-) -> HeadTensorResult:
-    """Decompose every unit of the plan on its whitened tensor and assemble the model."""
-    contexts = layer_contexts(source, family, stats, seq_len)
-    replaced, errors, unconverged = {}, [], []
-    for index in sorted({unit.layer for unit in plan.units}):
-        prefix = f"{family.layers_path}.{index}.{family.attention_attr}"
-        layer = decompose_layer(plan, index, source.get_submodule(prefix), contexts[index], seed)
-        replaced.update({f"{prefix}.{name}": state for name, state in layer.replaced.items()})
-        errors += layer.errors
-        unconverged += layer.unconverged
-        if progress:
-            progress()
-    warn_unconverged(unconverged, len(errors), f"{plan.method} decompositions", f"{MAX_ITERATIONS} iterations",
-                     DECOMPOSERS[plan.method].TOLERANCE)
-    model = assemble_factorized(source, plan.surgery(family), replaced)
-    return HeadTensorResult(model, plan, errors, unconverged)
-
-
 RANK_NOTES = {
     "tucker": "Tucker ranks are heads x head_dim x hidden; the hidden factor is computed once per token for all heads.",
     "cp": "CP rank R: one shared hidden -> R projection per token, a mixing vector per head, one R -> head_dim map.",
@@ -385,10 +349,6 @@ class HeadTensor(CompressMethod):
 
     def plan(self, anatomy: AttentionAnatomy, settings) -> HeadTensorPlan:
         return plan_head_tensor(anatomy, settings.method, settings.targets, settings.ratio, settings.ranks, settings.weighted)
-
-    def operate(self, model, family, statistics, plan, seq_len, seed, progress=None) -> Operated:
-        result = compress_head_tensor(model, family, statistics, plan, seed, seq_len, progress=progress)
-        return Operated(result.model, result.plan, result.errors)
 
     def operate_layer(self, plan: HeadTensorPlan, family: Family, index: int, context: LayerContext, seed: int) -> LayerTensors:
         attention = f"{family.layers_path}.{index}.{family.attention_attr}"

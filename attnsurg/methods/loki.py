@@ -26,8 +26,7 @@ from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics, captured_inputs
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
-from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_method
-from attnsurg.methods.factorized import assemble_factorized
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, register_method
 from attnsurg.methods.consumers import LayerContext, attention_moments, layer_inv_freq, rotation_average
 from attnsurg.methods.lowrank import unsupported_reason
 from attnsurg.methods.planning import PROXY_WINDOWS, PlanContext, PlannedMethod, layer_attention, register_planned
@@ -157,21 +156,6 @@ def rank_for_variance(energies: torch.Tensor, variance: float) -> int:
 
 
 @torch.no_grad()
-def apply_loki(source: PreTrainedModel, family: Family, stats: list[InputStatistics], plan: LokiPlan, seq_len: int) -> PreTrainedModel:
-    """The attnsurg model with every layer's attention as Loki, bases from the attention-input statistics."""
-    rotary = source.get_submodule(family.rotary_path)
-    layers = source.get_submodule(family.layers_path)
-    replaced: dict[str, torch.Tensor] = {}
-    ranks = []
-    for index, (layer, x) in enumerate(zip(layers, stats)):
-        attn = getattr(layer, family.attention_attr)
-        bases, rank = layer_basis(attn, x, plan, layer_inv_freq(rotary, source.config, index), seq_len)
-        replaced[f"{family.layers_path}.{index}.{family.attention_attr}.loki_basis"] = bases
-        ranks.append(rank)
-    plan.ranks = ranks
-    return assemble_factorized(source, plan.surgery(), {}, added=replaced)
-
-
 def layer_basis(attn, x: InputStatistics, plan: LokiPlan, inv_freq: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, int]:
     """One layer's key bases ([G, d, d]) and its rank: the plan's, or the one its ``variance`` asks for."""
     bases, energies = key_bases(attn, x, plan.kv_heads, inv_freq, seq_len, plan.basis)
@@ -221,9 +205,6 @@ class Loki(CompressMethod):
 
     def plan(self, anatomy: AttentionAnatomy, settings) -> LokiPlan:
         return plan_loki(anatomy, settings.rank, settings.top_k, settings.basis, settings.variance)
-
-    def operate(self, model, family, statistics, plan, seq_len, seed, progress=None) -> Operated:
-        return Operated(apply_loki(model, family, [x for x, _ in statistics], plan, seq_len), plan)
 
     def operate_layer(self, plan: LokiPlan, family: Family, index: int, context: LayerContext, seed: int) -> LayerTensors:
         basis, rank = layer_basis(context.attn, context.x, plan, context.inv_freq, context.seq_len)

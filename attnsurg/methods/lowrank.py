@@ -25,23 +25,21 @@ uniform rank.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from pydantic import Field, field_validator
-from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features
-from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented, rescaled, sqrt_and_inverse_sqrt
 from attnsurg.methods import MethodSpec, asvd, register, svd, svdllm
 from attnsurg.methods.consumers import PROJECTIONS, LayerContext, layer_contexts
 from attnsurg.methods.rank_allocation import allocated_ranks
-from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_method
-from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, register_method
+from attnsurg.methods.factorized import factorized_card_text, factorized_record, factorized_text
 from attnsurg.methods.planning import PlanContext, PlannedMethod, Proxy, register_planned
 from attnsurg.recipe import CompressSettings
 
@@ -341,49 +339,6 @@ def unit_state(unit: Unit, family: Family, down: torch.Tensor, up: torch.Tensor,
     return {prefix + PROJECTIONS[unit.name]: {"down.weight": down, **{f"up.{k}": v for k, v in up_state.items()}}}
 
 
-def assemble(source: PreTrainedModel, family: Family, plan: LowRankPlan, factors: dict[Unit, tuple]) -> PreTrainedModel:
-    """The attnsurg model class of the family with the source's weights and the factorized units."""
-    replaced: dict[str, dict[str, torch.Tensor]] = {}
-    for unit, (down, up, bias) in factors.items():
-        replaced.update(unit_state(unit, family, down, up, bias))
-    return assemble_factorized(source, plan.surgery(family), replaced)
-
-
-@dataclass
-class LowRankResult:
-    model: PreTrainedModel
-    plan: LowRankPlan
-    errors: list[float] = field(default_factory=list)  # per unit: relative truncation energy (weighted metric)
-
-
-@torch.no_grad()
-def compress(
-    source: PreTrainedModel,
-    family: Family,
-    stats: list[tuple[InputStatistics, InputStatistics]],
-    plan: LowRankPlan,
-    seq_len: int,
-    progress=None,
-) -> LowRankResult:
-    """Factorize every unit of the plan from per-layer (attention input, o_proj input) statistics."""
-    contexts = layer_contexts(source, family, stats, seq_len)
-    if plan.allocate:
-        spectra = [decompose(u, contexts[u.layer], plan.method, plan.weighted).S for u in plan.units]
-        plan.ranks = allocated_ranks(plan.units, spectra, plan.ranks)
-    factors, errors = {}, []
-    for unit, rank in zip(plan.units, plan.ranks):
-        if rank is None:
-            errors.append(0.0)
-            continue
-        decomposition = decompose(unit, contexts[unit.layer], plan.method, plan.weighted)
-        down, up = decomposition.factors(rank)
-        factors[unit] = (down, up, decomposition.bias)
-        errors.append(decomposition.relative_error(rank))
-        if progress and (unit is plan.units[-1] or plan.units[plan.units.index(unit) + 1].layer != unit.layer):
-            progress()
-    return LowRankResult(assemble(source, family, plan, factors), plan, errors)
-
-
 class LowRank(CompressMethod):
     """``compress --method svd|asvd|svdllm``."""
 
@@ -395,10 +350,6 @@ class LowRank(CompressMethod):
     def plan(self, anatomy: AttentionAnatomy, settings) -> LowRankPlan:
         return plan_lowrank(anatomy, settings.method, settings.targets, settings.ratio, settings.rank,
                             settings.kv_latent, settings.allocate, settings.weighted)
-
-    def operate(self, model, family, statistics, plan, seq_len, seed, progress=None) -> Operated:
-        result = compress(model, family, statistics, plan, seq_len, progress=progress)
-        return Operated(result.model, result.plan, result.errors)
 
     def operate_layer(self, plan: LowRankPlan, family: Family, index: int, context: LayerContext, seed: int) -> LayerTensors:
         tensors = LayerTensors()

@@ -33,17 +33,16 @@ from dataclasses import dataclass, field
 import tensorly as tl
 import torch
 from tensorly.decomposition import partial_tucker
-from transformers import PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics
 from attnsurg.errors import UserError
-from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_method
-from attnsurg.methods.factorized import assemble_factorized, factorized_card_text, factorized_record, factorized_text
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, register_method
+from attnsurg.methods.factorized import factorized_card_text, factorized_record, factorized_text
 from attnsurg.methods.head_whitening import diagonal_blocks
 from attnsurg.methods.headtensor import HeadTensorSettings, budget_line, warn_unconverged
-from attnsurg.methods.consumers import LayerContext, layer_contexts
+from attnsurg.methods.consumers import LayerContext
 from attnsurg.methods.lowrank import unsupported_reason
 
 MAX_ITERATIONS = 50
@@ -123,6 +122,7 @@ class StackedTuckerPlan:
     ranks: list[tuple[int, int]]  # per layer: (R_dim, R_hidden)
     kv_values_per_layer: int
     weighted: bool = True
+    max_iterations: int = MAX_ITERATIONS  # sweeps per fit; 0: TensorLLM's data-free factors, only the cores fitted
     method = "tucker"
     stacked = True
     targets = PROJECTION_ORDER
@@ -399,46 +399,6 @@ def module_state(unit: LayerUnit, fit: StackedFit, attn: torch.nn.Module) -> dic
     return state
 
 
-@dataclass
-class StackedTuckerResult:
-    model: PreTrainedModel
-    plan: StackedTuckerPlan
-    errors: list[float] = field(default_factory=list)
-    unconverged: list[tuple[str, float]] = field(default_factory=list)
-
-
-@torch.no_grad()
-def compress_stacked_tucker(
-    source: PreTrainedModel,
-    family: Family,
-    stats: list[tuple[InputStatistics, InputStatistics]],
-    plan: StackedTuckerPlan,
-    seed: int = 0,
-    seq_len: int = 512,
-    progress=None,
-    max_iterations: int = MAX_ITERATIONS,
-) -> StackedTuckerResult:
-    """Fit every layer of the plan and assemble the model (``max_iterations=0``: TensorLLM's data-free factors
-    with only the cores fitted)."""
-    contexts = layer_contexts(source, family, stats, seq_len) if plan.weighted else [None] * len(plan.units)
-    replaced, errors, unconverged = {}, [], []
-    for unit, ranks in zip(plan.units, plan.ranks):
-        path = f"{family.layers_path}.{unit.layer}.{family.attention_attr}"
-        attn = source.get_submodule(path)
-        x_stats, o_stats = stats[unit.layer]
-        layer = stack_layer(unit, attn, x_stats, o_stats, contexts[unit.layer])
-        fit = fit_layer(layer, ranks, seed, max_iterations)
-        errors.append(fit.relative_error)
-        if max_iterations and not fit.converged:
-            unconverged.append((unit.label, fit.relative_error))
-        replaced[path] = module_state(unit, fit, attn)
-        if progress:
-            progress()
-    warn_unconverged(unconverged, len(errors), "stacked Tucker fits", f"{max_iterations} sweeps", TOLERANCE)
-    model = assemble_factorized(source, plan.surgery(family), replaced)
-    return StackedTuckerResult(model, plan, errors, unconverged)
-
-
 RANK_NOTE = ("Stacked Tucker ranks are head_dim x hidden: one hidden factor per layer, computed once per token for "
              "q, k and v of every head and shared by o; one core per projection and head.")
 
@@ -457,10 +417,6 @@ class StackedTucker(CompressMethod):
     def plan(self, anatomy: AttentionAnatomy, settings) -> StackedTuckerPlan:
         return plan_stacked_tucker(anatomy, settings.targets, settings.ratio, settings.ranks, settings.weighted)
 
-    def operate(self, model, family, statistics, plan, seq_len, seed, progress=None) -> Operated:
-        result = compress_stacked_tucker(model, family, statistics, plan, seed, seq_len, progress=progress)
-        return Operated(result.model, result.plan, result.errors)
-
     def operate_layer(self, plan: StackedTuckerPlan, family: Family, index: int, context: LayerContext,
                       seed: int) -> LayerTensors:
         """The layer's q, k, v, o fitted together; it replaces the whole attention."""
@@ -469,15 +425,15 @@ class StackedTucker(CompressMethod):
         for unit, ranks in zip(plan.units, plan.ranks, strict=True):
             if unit.layer == index:
                 stacked = stack_layer(unit, context.attn, context.x, context.o, context if plan.weighted else None)
-                fit = fit_layer(stacked, ranks, seed)
+                fit = fit_layer(stacked, ranks, seed, plan.max_iterations)
                 tensors.replaced[attention] = module_state(unit, fit, context.attn)
                 tensors.records.append(fit.relative_error)
-                if not fit.converged:
+                if plan.max_iterations and not fit.converged:
                     tensors.unconverged.append((unit.label, fit.relative_error))
         return tensors
 
     def warn_capped(self, plan: StackedTuckerPlan, unconverged: list[tuple[str, float]], total: int) -> None:
-        warn_unconverged(unconverged, total, "stacked Tucker fits", f"{MAX_ITERATIONS} sweeps", TOLERANCE)
+        warn_unconverged(unconverged, total, "stacked Tucker fits", f"{plan.max_iterations} sweeps", TOLERANCE)
 
     def plan_record(self, plan, anatomy: AttentionAnatomy) -> dict:
         return factorized_record(plan, anatomy)

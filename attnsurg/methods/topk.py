@@ -20,9 +20,8 @@ from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
 from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
-from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, Operated, register_method
+from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, register_method
 from attnsurg.methods.consumers import LayerContext
-from attnsurg.methods.factorized import assemble_factorized
 from attnsurg.methods.loki import top_k_of
 from attnsurg.methods.lowrank import unsupported_reason
 from attnsurg.recipe import CompressSettings
@@ -85,10 +84,6 @@ class TopK(CompressMethod):
 
     def plan(self, anatomy: AttentionAnatomy, settings: TopKSettings) -> TopKPlan:
         return plan_topk(anatomy, settings.top_k)
-
-    def operate(self, model, family, statistics, plan: TopKPlan, seq_len, seed, progress=None) -> Operated:
-        added = {basis_name(family, index): identity_bases(plan) for index in range(plan.num_layers)}
-        return Operated(assemble_factorized(model, plan.surgery(), {}, added=added), plan)
 
     def operate_layer(self, plan: TopKPlan, family: Family, index: int, context: LayerContext, seed: int) -> LayerTensors:
         return LayerTensors(added={basis_name(family, index): identity_bases(plan)})

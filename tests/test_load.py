@@ -187,3 +187,34 @@ def test_a_gguf_of_an_architecture_without_surgery_is_one_line(tmp_path, archite
     writer.close()
     with pytest.raises(UserError, match=message):
         load_config(resolve_source(str(path)))
+
+
+def test_a_hub_id_is_read_from_its_snapshot_without_pickle_weights(tiny_checkpoints, tmp_path, monkeypatch):
+    """A hub model streams from its snapshot in the hub cache (config, safetensors, tokenizer: never pickle
+    weights, and code only when trusted); a failed download is one line."""
+    from pathlib import Path
+
+    import attnsurg.io.load as load
+    from attnsurg.errors import UserError
+
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked.append((repo_id, allow_patterns))
+        return str(tiny_checkpoints["llama-gqa"])
+
+    monkeypatch.setattr(load, "snapshot_download", snapshot_download)
+    hub = load.ModelSource("org/tiny", "hub", "org/tiny")
+    with load.layer_readable(hub, tmp_path / "out") as readable:
+        assert readable.kind == "dir" and Path(readable.path) == tiny_checkpoints["llama-gqa"]
+    assert asked[0][0] == "org/tiny" and "*.safetensors" in asked[0][1]
+    assert not any(p.endswith((".bin", ".py", ".pt")) for p in asked[0][1])
+    load.downloaded(hub, trust_remote_code=True)
+    assert "*.py" in asked[1][1]
+
+    def offline(repo_id, allow_patterns):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nmore")
+
+    monkeypatch.setattr(load, "snapshot_download", offline)
+    with pytest.raises(UserError, match="cannot download 'org/tiny' from the hub .We couldn't connect"):
+        load.downloaded(hub)

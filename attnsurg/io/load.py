@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
@@ -284,9 +285,12 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
 @contextmanager
 def layer_readable(source: ModelSource, beside: Path, allow_pickle: bool = False,
                    trust_remote_code: bool = False) -> Iterator[ModelSource]:
-    """The source as a safetensors checkpoint directory that a surgery reads one tensor at a time: itself, or
-    (a .gguf file, pickle weights) the model loaded once and written as one beside ``beside`` in its own
-    dtype (a .gguf dequantized to float32), removed after the run."""
+    """The source as a safetensors checkpoint directory that a surgery reads one tensor at a time: itself (a
+    hub id: its snapshot, downloaded as ``from_pretrained`` would), or (a .gguf file, pickle weights) the model
+    loaded once and written as one beside ``beside`` in its own dtype (a .gguf dequantized to float32),
+    removed after the run."""
+    if source.kind == "hub" and reads_lazily(snapshot := downloaded(source, trust_remote_code)):
+        source = ModelSource(source.ref, "dir", str(snapshot))
     if source.kind in ("dir", "builtin") and reads_lazily(Path(source.path)):
         yield source
         return
@@ -304,3 +308,16 @@ def layer_readable(source: ModelSource, beside: Path, allow_pickle: bool = False
         yield ModelSource(source.ref, "dir", str(staged), origin=str(source.files))
     finally:
         shutil.rmtree(staged, ignore_errors=True)
+
+
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]  # no pickle weights
+
+
+def downloaded(source: ModelSource, trust_remote_code: bool = False) -> Path:
+    """A hub model's snapshot in the hub cache: its config, safetensors weights and tokenizer files (its code
+    too with ``trust_remote_code``); never pickle weights."""
+    patterns = HUB_FILES + (["*.py"] if trust_remote_code else [])
+    try:
+        return Path(snapshot_download(source.path, allow_patterns=patterns))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot download '{source.ref}' from the hub ({_first_line(exc)})")

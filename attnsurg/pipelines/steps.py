@@ -237,16 +237,6 @@ def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: boo
     return Surgery(family, model, tokenizer, windows, started, device)
 
 
-def stream_refusal(job: Job, source, anatomy: AttentionAnatomy) -> str | None:
-    """Why this run cannot read the source one decoder layer at a time, or None: a local checkpoint is read
-    from its safetensors, or from a safetensors copy written first (``io.load.layer_readable``: a .gguf file,
-    pickle weights)."""
-    if source.kind == "hub":
-        return (f"--stream reads a local checkpoint, and '{job.recipe.model.ref}' is a hub id; download it to a "
-                "directory first, or drop --stream")
-    return None
-
-
 def streams(asked: bool | None, refusal: str | None) -> bool:
     """Whether the run reads the source a layer at a time: as asked (``stream: true`` refused with the reason it
     cannot), or by default (``None``) whenever it can, so memory holds one layer of the source, not the whole model."""

@@ -36,7 +36,6 @@ from attnsurg.pipelines.steps import (
     start_streamed,
     start_surgery,
     load_source_model,
-    stream_refusal,
     streams,
     surgery_device,
 )
@@ -59,8 +58,7 @@ def run_surgery(job: Job, dry_run: bool = False) -> SurgeryReport:
     check_calibration(job.recipe.calibration, anatomy, read_text=dry_run)  # a run reads it before the weights load
     if dry_run:
         return report
-    refusal = job.method.stream_refusal(job.settings, report.plan) or stream_refusal(job, source, anatomy)
-    if not streams(job.settings.stream, refusal):
+    if not streams(job.settings.stream, job.method.stream_refusal(job.settings, report.plan)):
         return run_loaded(job, source, anatomy, report)
     model = job.recipe.model
     with layer_readable(source, job.recipe.output, model.allow_pickle, model.trust_remote_code) as readable:

@@ -48,12 +48,13 @@ def state_directory(out: Path) -> Path:
 
 def settings_fingerprint(settings: dict, windows: torch.Tensor, source: Path) -> str:
     """What decides a streamed run's output: its settings, its calibration token ids, the source checkpoint's
-    files (names, sizes, modification times; ``source`` a directory or one .gguf file) and this version of
-    attnsurg."""
+    files (names, sizes, modification times; ``source`` a directory, one .gguf file or a hub id) and this
+    version of attnsurg."""
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     digest.update(windows.to(torch.int64).contiguous().numpy().tobytes())
     source = Path(source)
-    for path in [source] if source.is_file() else sorted(source.iterdir()):
+    digest.update(str(source).encode())
+    for path in [source] if source.is_file() else sorted(source.iterdir()) if source.is_dir() else []:
         if path.is_file() and path.suffix in (".safetensors", ".json", ".gguf"):
             stat = path.stat()
             digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())

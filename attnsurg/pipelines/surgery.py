@@ -18,8 +18,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.info import inspect_model
-from attnsurg.io.load import layer_readable
 from attnsurg.io.card import CardInfo
+from attnsurg.io.load import layer_readable
 from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.base import StreamTarget, SurgeryInputs, SurgeryReport
 from attnsurg.pipelines.job import Job
@@ -31,11 +31,11 @@ from attnsurg.pipelines.steps import (
     finish_streamed,
     finish_surgery,
     healing_note,
+    load_source_model,
     operated_once,
     peak_memory_gb,
     start_streamed,
     start_surgery,
-    load_source_model,
     streams,
     surgery_device,
 )
@@ -68,7 +68,7 @@ def run_surgery(job: Job, dry_run: bool = False) -> SurgeryReport:
 
 
 def run_loaded(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryReport) -> SurgeryReport:
-    """The operation on the source loaded whole (``--no-stream``, or a source that cannot be read a layer at a time)."""
+    """The operation on the source loaded whole (``--no-stream``, or settings that need the whole model)."""
     surgery = start_surgery(job, source, anatomy)
     if job.recipe.heal is None:
         model = operate(surgery, job, report)
@@ -111,9 +111,12 @@ def run_streamed_then_healed(job: Job, source, anatomy: AttentionAnatomy, report
     """The operation one source layer at a time, written in float32 into the heal state (``operated_once``);
     then healing, which holds the student and its teacher (the source) whole."""
     surgery, config, _, reader = start_streamed(job, source, anatomy)
-    model = operated_once(lambda shared: stream_operation(job, source, surgery, reader, config, report, shared, torch.float32,
-                                                          True, lambda staging, written: written.save_pretrained(staging)),
-                          job)
+
+    def write(shared: Path) -> None:
+        stream_operation(job, source, surgery, reader, config, report, shared, torch.float32, True,
+                         lambda staging, written: written.save_pretrained(staging))
+
+    model = operated_once(write, job)
     surgery.model = load_source_model(job.recipe.model, source)
     surgery.device = surgery_device(job.device, anatomy)
     finish_surgery(surgery, model, job, anatomy, report, lambda: card(job, report), job.method.extra_files())

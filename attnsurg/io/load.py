@@ -24,8 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from attnsurg.arch.anatomy import check_sizes, meta_model
 from attnsurg import ui
+from attnsurg.arch.anatomy import check_sizes, meta_model
 from attnsurg.arch.families import supported_names
 from attnsurg.errors import UserError
 from attnsurg.io.assets import ASSETS, ensure_demo_model
@@ -49,11 +49,11 @@ class ModelSource:
     kind: str  # "dir", "gguf", "hub" or "builtin"
     path: str
     gguf_file: str | None = None
-    origin: str | None = None  # a dequantized copy's .gguf file, which decides a resumed run
+    origin: str | None = None  # a staged copy's original (.gguf file, pickle checkpoint, hub id): a resume matches it
 
     @property
     def files(self) -> Path:
-        """What the checkpoint is made of: its directory, or its one .gguf file."""
+        """What the checkpoint is made of: its directory or its one .gguf file (a staged copy's original)."""
         if self.origin:
             return Path(self.origin)
         return Path(self.path) / self.gguf_file if self.gguf_file else Path(self.path)

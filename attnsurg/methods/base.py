@@ -4,9 +4,10 @@ A method (:class:`SurgeryMethod`) owns its settings (a recipe step and its comma
 operation on a loaded model (``operate_model``) and on one decoder layer at a time (``operate_streamed``),
 its report and what its model card says. ``pipelines/surgery.py`` calls these and nothing else of the method.
 The ``compress`` methods share :class:`CompressMethod`, which runs the whole-model and the streamed operation
-from each layer's input statistics through the method's one per-layer operation (``operate_layer``), so such a
-method writes its plan, that operation and its card text; ``convert --to mla`` (``methods/mla/method.py``) implements the interface
-itself. Adding a method is one module holding one subclass, registered with :func:`register_method`.
+from each layer's input statistics through the method's one per-layer operation (``operate_layer``), so such
+a method writes its plan, that operation and its card text; ``convert --to mla`` (``methods/mla/method.py``)
+implements the interface itself. Adding a method is one module holding one subclass, registered with
+:func:`register_method`.
 """
 
 from __future__ import annotations

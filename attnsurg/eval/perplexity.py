@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, set_seed
 
 from attnsurg import ui
+from attnsurg.arch import inspect_config
 from attnsurg.data import Text, load_text
 from attnsurg.errors import UserError
 from attnsurg.eval.tasks.scoring import keeps_logits
@@ -255,8 +256,7 @@ def surgery_settings(config) -> str | None:
         rank = loki["rank"]
         if isinstance(rank, list):
             rank = f"{min(rank)}-{max(rank)} per layer ({loki['variance']:g} of the key variance)"
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # Qwen2 has none
-        return f"loki: rank {rank} of head dim {head_dim}, top-k {top_k}, {loki['basis']} basis"
+        return f"loki: rank {rank} of head dim {inspect_config(config).head_dim}, top-k {top_k}, {loki['basis']} basis"
     return record.get("method")
 
 

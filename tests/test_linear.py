@@ -40,10 +40,11 @@ def test_a_window_as_long_as_the_context_reproduces_the_logits(family):
     assert logit_error(linear, model, held_out()) < 1e-4
 
 
-def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, batch):
     model = build_tiny("llama", VOCAB, num_key_value_heads=2)
     linear, _ = converted(model, "llama", window=6, transfer_steps=5)
-    ids = held_out()[:1, :40]
+    ids = held_out()[:batch, :40]
     with torch.no_grad():
         parallel = linear(ids, use_cache=False).logits  # one chunk: the whole sequence at once
         cache = DynamicCache()

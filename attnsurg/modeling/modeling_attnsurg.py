@@ -643,6 +643,14 @@ def hybrid_attention(
     return numerator / denominator
 
 
+def fold_into_state(layer: LinearStateLayer, key_features: torch.Tensor, values: torch.Tensor) -> None:
+    """Add keys older than the window to the layer's S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j)."""
+    state = key_features.transpose(-1, -2) @ values.float()
+    normalizer = key_features.sum(2)
+    layer.state = state if layer.state is None else layer.state + state
+    layer.normalizer = normalizer if layer.normalizer is None else layer.normalizer + normalizer
+
+
 class HybridLinearAttention(AttentionBase):
     """The source's projections, with softmax attention over the last ``window`` keys and a linear attention
     through learned Hedgehog feature maps (per query head ``feature_q``, per KV head ``feature_k``) over
@@ -692,17 +700,39 @@ class HybridLinearAttention(AttentionBase):
                    value: torch.Tensor) -> torch.Tensor:
         """New tokens against the window before them and the state; keys that leave the window join the state."""
         keys, values = layer.update(key, value)  # the window before these tokens, then these tokens
+        if query.shape[2] == 1:
+            return self.decode_step(layer, query, keys, values)
         key_features = hedgehog(keys, self.feature_k, self.feature_k_bias)
         output = hybrid_attention(query, keys, values, hedgehog(query, self.feature_q, self.feature_q_bias),
                                   key_features, self.window, self.scaling, self.linear_scale, layer.state,
                                   layer.normalizer)
         leaving = keys.shape[2] - self.window
         if leaving > 0:
-            state = key_features[:, :, :leaving].transpose(-1, -2) @ values[:, :, :leaving].float()
-            normalizer = key_features[:, :, :leaving].sum(2)
-            layer.state = state if layer.state is None else layer.state + state
-            layer.normalizer = normalizer if layer.normalizer is None else layer.normalizer + normalizer
+            fold_into_state(layer, key_features[:, :, :leaving], values[:, :, :leaving])
         return output
+
+    def decode_step(self, layer: LinearStateLayer, query: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor) -> torch.Tensor:
+        """One new token: the key leaving the window joins the state first (it is linear for this query), then
+        softmax over the window and the state under one normalisation, each KV head's query heads together."""
+        leaving = keys.shape[2] - self.window
+        if leaving > 0:
+            fold_into_state(layer, hedgehog(keys[:, :, :leaving], self.feature_k, self.feature_k_bias),
+                            values[:, :, :leaving])
+            keys, values = keys[:, :, leaving:], values[:, :, leaving:]
+        batch, heads, _, d = query.shape
+        groups = keys.shape[1]
+        q = query.float().view(batch, groups, heads // groups, d)  # [B, G, H/G, d]: a group's heads as rows
+        scores = q @ keys.float().transpose(-1, -2) * self.scaling
+        exact = torch.exp(scores - scores.amax(-1, keepdim=True))
+        numerator, denominator = exact @ values.float(), exact.sum(-1, keepdim=True)
+        if layer.state is not None:
+            scale = self.linear_scale.float().exp().view(1, groups, heads // groups, 1)
+            features = hedgehog(query, self.feature_q, self.feature_q_bias).view(batch, groups, heads // groups, -1)
+            features = features * scale
+            numerator = numerator + features @ layer.state
+            denominator = denominator + features @ layer.normalizer[..., None]
+        return (numerator / denominator).view(batch, heads, 1, d)
 
 
 def apply_surgery(model: nn.Module, surgery: dict) -> None:

@@ -721,18 +721,18 @@ class HybridLinearAttention(AttentionBase):
                             values[:, :, :leaving])
             keys, values = keys[:, :, leaving:], values[:, :, leaving:]
         batch, heads, _, d = query.shape
-        groups = keys.shape[1]
-        q = query.float().view(batch, groups, heads // groups, d)  # [B, G, H/G, d]: a group's heads as rows
+        kv_heads = keys.shape[1]
+        rows = (batch, kv_heads, heads // kv_heads)  # a KV head's query heads as the rows of one product
+        q = query.float().reshape(*rows, d)
         scores = q @ keys.float().transpose(-1, -2) * self.scaling
         exact = torch.exp(scores - scores.amax(-1, keepdim=True))
         numerator, denominator = exact @ values.float(), exact.sum(-1, keepdim=True)
         if layer.state is not None:
-            scale = self.linear_scale.float().exp().view(1, groups, heads // groups, 1)
-            features = hedgehog(query, self.feature_q, self.feature_q_bias).view(batch, groups, heads // groups, -1)
-            features = features * scale
+            scale = self.linear_scale.float().exp().reshape(1, *rows[1:], 1)
+            features = hedgehog(query, self.feature_q, self.feature_q_bias).reshape(*rows, -1) * scale
             numerator = numerator + features @ layer.state
             denominator = denominator + features @ layer.normalizer[..., None]
-        return (numerator / denominator).view(batch, heads, 1, d)
+        return (numerator / denominator).reshape(batch, heads, 1, d)
 
 
 def apply_surgery(model: nn.Module, surgery: dict) -> None:

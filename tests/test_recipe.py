@@ -247,3 +247,9 @@ def test_a_recipe_writing_above_its_folder_is_refused_unless_o_says_where(tiny_c
     assert runner.invoke(app, ["recipe", "validate", str(inside)]).exit_code == 0
     rerouted = runner.invoke(app, ["run", str(climbing), "-o", str(tmp_path / "here"), "--dry-run"])
     assert rerouted.exit_code == 0, rerouted.output
+
+
+def test_every_shipped_recipe_is_described_in_the_recipes_guide():
+    guide = (Path(__file__).parent.parent / "docs" / "recipes.md").read_text()
+    missing = [path.stem for path in shipped_recipes() if f"| `{path.stem}` |" not in guide]
+    assert not missing, f"docs/recipes.md's table lacks {missing}"

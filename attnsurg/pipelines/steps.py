@@ -33,7 +33,12 @@ from attnsurg.pipelines.job import Job
 from attnsurg.requests import Calibration, ModelRef, TextData
 
 
-def command_line() -> str:
+def command_line() -> str | None:
+    """The attnsurg command this process runs, or None where attnsurg runs as a library (a script's own
+    arguments are not an attnsurg command; the card's recipe says how the checkpoint was made)."""
+    program = Path(sys.argv[0])
+    if program.name != "attnsurg" and program.parts[-2:] != ("attnsurg", "__main__.py"):
+        return None
     return "attnsurg " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 

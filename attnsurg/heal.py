@@ -30,6 +30,7 @@ from accelerate import Accelerator, PartialState
 from transformers import PreTrainedModel
 
 from attnsurg import ui
+from attnsurg.adapters import add_lora, merge_lora
 from attnsurg.data import load_text
 from attnsurg.distillation import Head, LossWeights, logit_loss, residual_stream_error
 from attnsurg.errors import UserError
@@ -70,10 +71,11 @@ def heal_state_dir(output: Path) -> Path:
 
 # ------------------------------------------------------------------------------------ what trains
 def select_trainable(model: PreTrainedModel, train: str) -> list[torch.nn.Parameter]:
-    """Mark what trains (attention modules, or everything) and return those parameters."""
+    """Mark what trains (attention modules, or everything) and return those parameters. ``lora`` marks what
+    ``attention`` does; ``add_lora`` then moves the projections' training into adapters."""
     for parameter in model.parameters():
         parameter.requires_grad_(train == "all")
-    if train == "attention":
+    if train in ("attention", "lora"):
         for name, module in model.named_modules():
             if name.endswith(".self_attn"):
                 module.requires_grad_(True)
@@ -94,6 +96,16 @@ def hold_exactness_constants(model: PreTrainedModel) -> None:
                 hold_norm_channel(module, channel)
         if hasattr(module, "loki_basis"):
             module.loki_basis.requires_grad_(False)
+
+
+def held_projection_rows(model: PreTrainedModel) -> dict[str, int]:
+    """Projection rows a LoRA adapter must leave alone: an MLA conversion's latent-norm channel in kv_a."""
+    return {f"{name}.kv_a_proj_with_mqa": channel for name, module in model.named_modules()
+            if hasattr(module, "kv_a_proj_with_mqa") and (channel := norm_channel_of(module)) is not None}
+
+
+def lora_alpha(settings: HealSettings) -> float:
+    return settings.lora_alpha if settings.lora_alpha is not None else 2.0 * settings.lora_rank
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -285,15 +297,18 @@ def heal_model(
     windows = training_windows(tokenizer, settings.data, settings.seq_len)
     held_out = held_out_windows(tokenizer, settings) if settings.eval_every else None
     trainable = select_trainable(student, settings.train)
+    start_weights = weights_digest(trainable)
+    torch.manual_seed(seed)
+    if settings.train == "lora":
+        trainable = add_lora(student, settings.lora_rank, lora_alpha(settings), held_projection_rows(student))
     if settings.gradient_checkpointing:
         activation_checkpointing(student, True)
     micro_batch = settings.batch_size * accelerator.num_processes
     tokens_per_step = settings.seq_len * micro_batch * settings.grad_accum
     steps = max(1, settings.tokens // tokens_per_step)
     report = HealReport(steps, tokens_per_step, sum(p.numel() for p in trainable))
-    run_id = fingerprint(settings, seed, accelerator.num_processes, accelerator.mixed_precision, weights_digest(trainable))
+    run_id = fingerprint(settings, seed, accelerator.num_processes, accelerator.mixed_precision, start_weights)
 
-    torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = min(math.ceil(settings.warmup * steps), steps - 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(i, steps, warmup, settings.schedule))
@@ -323,6 +338,7 @@ def heal_model(
     accelerator.wait_for_everyone()
     distiller.close()
     student = accelerator.unwrap_model(wrapped, keep_fp32_wrapper=False).eval()
+    merge_lora(student)
     student.requires_grad_(False)
     if settings.gradient_checkpointing:
         activation_checkpointing(student, False)

@@ -99,7 +99,9 @@ class HealSettings(Strict):
 
     ``tokens`` is the training budget (optimizer steps = tokens / (seq_len x batch_size x grad_accum x
     processes)). ``train: attention`` trains only the attention modules (less any value a conversion
-    holds fixed for exactness); ``all`` trains every parameter. ``teacher`` defaults to the recipe's source
+    holds fixed for exactness); ``all`` trains every parameter; ``lora`` trains rank-``lora_rank`` adapters
+    on the attention projections and the attention's other parameters in full, and merges the adapters
+    into the weights at the end (``attnsurg.adapters``). ``teacher`` defaults to the recipe's source
     model when healing follows a surgery step.
     """
 
@@ -117,7 +119,9 @@ class HealSettings(Strict):
     hidden_weight: float = Field(0.0, ge=0)
     temperature: float = Field(1.0, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    train: Literal["attention", "all"] = "attention"
+    train: Literal["attention", "all", "lora"] = "attention"
+    lora_rank: int = Field(8, gt=0)  # train: lora (adapters on the attention projections)
+    lora_alpha: float | None = Field(None, gt=0)  # None: 2 x lora_rank
     eval_every: int = Field(0, ge=0)
     eval_tokens: int = Field(2048, gt=1)
     save_every: int = Field(25, gt=0)

@@ -125,6 +125,16 @@ def tiny_checkpoint(request, tiny_checkpoints) -> Path:
     return tiny_checkpoints[request.param]
 
 
+@pytest.fixture
+def teacher_and_tokenizer(tiny_checkpoints, tokenizer):
+    """A tiny teacher for healing, with a sharpened head: random heads give near-uniform outputs, and a sharper
+    teacher has something to teach."""
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"]).eval()
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(30)
+    return teacher, tokenizer
+
+
 @pytest.fixture(scope="session")
 def corpus_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("text") / "corpus.txt"

@@ -44,14 +44,6 @@ def loss_on(student, teacher, ids, heal: HealSettings) -> float:
     return loss
 
 
-@pytest.fixture
-def teacher_and_tokenizer(tiny_checkpoints, tokenizer):
-    teacher = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"]).eval()
-    with torch.no_grad():  # random heads give near-uniform outputs; a sharper teacher has something to teach
-        teacher.lm_head.weight.mul_(30)
-    return teacher, tokenizer
-
-
 def test_a_few_steps_reduce_the_distillation_loss(teacher_and_tokenizer, corpus_file, tmp_path):
     teacher, tokenizer = teacher_and_tokenizer
     student = mla_student(teacher)
@@ -110,9 +102,10 @@ def test_train_all_widens_to_every_parameter(teacher_and_tokenizer):
     assert attention_only < everything == sum(p.numel() for p in student.parameters()) - frozen_norms
 
 
-def test_resumed_run_reaches_the_same_weights(teacher_and_tokenizer, corpus_file, tmp_path):
+@pytest.mark.parametrize("train", ["attention", "lora"])
+def test_resumed_run_reaches_the_same_weights(teacher_and_tokenizer, corpus_file, tmp_path, train):
     teacher, tokenizer = teacher_and_tokenizer
-    heal = settings(corpus_file, tokens=32 * 2 * 6, schedule="cosine", warmup=0.2)
+    heal = settings(corpus_file, tokens=32 * 2 * 6, schedule="cosine", warmup=0.2, train=train)
 
     uninterrupted = mla_student(teacher)
     heal_model(uninterrupted, teacher, tokenizer, heal, seed=3, state_dir=tmp_path / "a")
@@ -193,7 +186,8 @@ def test_distiller_loss_and_gradients_equal_the_plain_loss_on_whole_logits(teach
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
-def test_cli_heals_a_checkpoint(tiny_checkpoints, corpus_file, tmp_path):
+@pytest.mark.parametrize("train", [[], ["--train", "lora", "--lora-rank", "4"]], ids=["attention", "lora"])
+def test_cli_heals_a_checkpoint(tiny_checkpoints, corpus_file, tmp_path, train):
     runner = CliRunner()
     student_dir = tmp_path / "student"
     convert_args = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "mla", "--kv-budget", "0.25", "--format", "exact",
@@ -205,7 +199,7 @@ def test_cli_heals_a_checkpoint(tiny_checkpoints, corpus_file, tmp_path):
     (teacher / "README.md").write_text("---\nlicense: apache-2.0\n---\n# teacher\n")
     args = ["heal", str(student_dir), "--teacher", str(teacher), "--text", str(corpus_file),
             "--tokens", "256", "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3",
-            "--eval-tokens", "128", "--eval-domains", "none", "-o", str(tmp_path / "healed")]
+            "--eval-tokens", "128", "--eval-domains", "none", "-o", str(tmp_path / "healed"), *train]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "healed 4 steps" in result.output and "ppl teacher" in result.output

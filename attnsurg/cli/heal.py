@@ -37,7 +37,7 @@ HEAL = defaults_of(HealSettings)
 @app.command(epilog=examples(
     "attnsurg heal out/mla50 --teacher smollm2-135m -o out/mla50-healed",
     "attnsurg heal out/mla50 --teacher smollm2-135m --tokens 100000 --dry-run",
-    "attnsurg heal out/mla50 --teacher smollm2-135m --train all -o out/mla50-all",
+    "attnsurg heal out/lin64 --teacher smollm2-135m --train lora -o out/healed",
     guide="heal.md"))
 @user_errors
 def heal(
@@ -71,8 +71,12 @@ def heal(
     ] = HEAL.hidden_weight,
     temperature: Annotated[float, typer.Option("--temperature", help="Distillation temperature.",
                                                rich_help_panel=DISTILLATION)] = HEAL.temperature,
-    train: Annotated[str, typer.Option("--train", help="attention (new or changed) or all.",
+    train: Annotated[str, typer.Option("--train", help="attention, all, or lora (merged adapters).",
                                        rich_help_panel=TRAINING)] = HEAL.train,
+    lora_rank: Annotated[int, typer.Option("--lora-rank", help="Rank of each adapter (--train lora).",
+                                           rich_help_panel=TRAINING)] = HEAL.lora_rank,
+    lora_alpha: Annotated[Optional[float], typer.Option("--lora-alpha", help="Adapter scale numerator (default 2 x rank).",
+                                                        hidden=True)] = None,
     eval_every: Annotated[
         int, typer.Option("--eval-every", help="Held-out ppl every N steps (0: only at the end).",
                           rich_help_panel=EVALUATION)
@@ -110,7 +114,7 @@ def heal(
         teacher=ModelRef(ref=teacher, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle),
         data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
         schedule=schedule, warmup=warmup, kl_weight=kl_weight, lm_weight=lm_weight, hidden_weight=hidden_weight, temperature=temperature,
-        train=train, eval_every=eval_every, save_every=save_every, mixed_precision=mixed_precision,
+        train=train, lora_rank=lora_rank, lora_alpha=lora_alpha, eval_every=eval_every, save_every=save_every, mixed_precision=mixed_precision,
         gradient_checkpointing=gradient_checkpointing,
         eval_tokens=eval_tokens if eval_tokens > 1 else HealSettings.model_fields["eval_tokens"].default,
     )

@@ -13,7 +13,7 @@ from attnsurg.eval.speed import cache_bytes
 from attnsurg.io.load import load_model, resolve_source
 from attnsurg.methods.base import SurgeryInputs, method_for
 from attnsurg.methods.linear.method import LinearReport, LinearSettings
-from attnsurg.methods.linear.transfer import LayerTransfer, Transfer
+from attnsurg.methods.linear.transfer import HybridShape, LayerTransfer, Transfer
 from attnsurg.modeling import modeling_attnsurg
 from attnsurg.requests import COMMAND_CALIBRATION
 
@@ -40,10 +40,10 @@ def test_a_window_as_long_as_the_context_reproduces_the_logits(family):
     assert logit_error(linear, model, held_out()) < 1e-4
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, batch):
+@pytest.mark.parametrize("batch,sinks", [(1, 4), (2, 4), (1, 0)])
+def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, batch, sinks):
     model = build_tiny("llama", VOCAB, num_key_value_heads=2)
-    linear, _ = converted(model, "llama", window=6, transfer_steps=5)
+    linear, _ = converted(model, "llama", window=6, sinks=sinks, transfer_steps=5)
     ids = held_out()[:batch, :40]
     with torch.no_grad():
         parallel = linear(ids, use_cache=False).logits  # one chunk: the whole sequence at once
@@ -55,6 +55,19 @@ def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, batch):
     assert torch.allclose(torch.cat([prefix, *steps], 1), parallel, atol=1e-5)
     assert torch.allclose(chunked, parallel, atol=1e-5)
     assert cache.get_seq_length() == 40
+
+
+def test_without_the_linear_part_the_sinks_and_the_window_are_softmax_attention():
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 4, 20, 8, generator=generator) for _ in range(3))
+    features = torch.rand(1, 4, 20, 6, generator=generator)
+    window, sinks = 5, 3
+    got = modeling_attnsurg.hybrid_attention(query, key, value, features, features, window, 0.5,
+                                             torch.full((4,), -1e4), sinks=sinks)
+    distance = torch.arange(20)[:, None] - torch.arange(20)[None, :]
+    seen = (distance >= 0) & ((distance < window) | (torch.arange(20)[None, :] < sinks))
+    want = torch.softmax((query @ key.transpose(-1, -2) * 0.5).masked_fill(~seen, float("-inf")), -1) @ value
+    assert torch.allclose(got, want, atol=1e-6)
 
 
 def test_generate_decodes_what_recomputing_every_prefix_gives():
@@ -86,7 +99,8 @@ def test_attention_transfer_lowers_the_held_out_error_as_features_widen():
     held = []
     for features in (1, 4, 16):
         transfer = LayerTransfer(family, model.model.rotary_emb, stream)
-        _, error = transfer.fit(layer, model.config, 0, 4, features, Transfer(steps=200, lr=1e-2), held_out=3)
+        _, error = transfer.fit(layer, model.config, 0, HybridShape(4, features), Transfer(steps=200, lr=1e-2),
+                                held_out=3)
         assert error.held_after < error.held_before and error.after < error.before
         held.append(error.held_after)
     assert held[0] > held[1] > held[2]
@@ -102,7 +116,7 @@ def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_fil
     record = json.loads(result.stdout)
     assert record["plan"]["window"] == 8 and len(record["layer_errors"]) == 2
     assert record["layer_errors"][0]["after"] < record["layer_errors"][0]["before"]
-    assert json.loads((out / "config.json").read_text())["attnsurg"]["linear"] == {"window": 8, "feature_dim": 16}
+    assert json.loads((out / "config.json").read_text())["attnsurg"]["linear"] == {"window": 8, "feature_dim": 16, "sinks": 4}
     reloaded = load_model(resolve_source(str(out)))
     assert isinstance(reloaded.model.layers[0].self_attn, modeling_attnsurg.HybridLinearAttention)
     anatomy = inspect_config(reloaded.config)  # the cache a reader of the checkpoint is told of: fixed past the window
@@ -168,7 +182,7 @@ def test_heal_trains_the_converted_attention_and_lowers_perplexity(tiny_checkpoi
                "-o", str(student)]
     assert CliRunner().invoke(app, convert).exit_code == 0
     heal = ["heal", str(student), "--teacher", str(tiny_checkpoints["llama-gqa"]), "--text", str(corpus_file),
-            "--tokens", "2048", "--seq-len", "64", "--lr", "3e-3", "--eval-tokens", "256", "--eval-domains", "none",
+            "--tokens", "2048", "--seq-len", "64", "--lr", "1e-3", "--eval-tokens", "256", "--eval-domains", "none",
             "-o", str(tmp_path / "healed"), "--json"]
     result = CliRunner().invoke(app, heal)
     assert result.exit_code == 0, result.output

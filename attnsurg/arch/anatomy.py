@@ -67,7 +67,7 @@ class AttentionAnatomy:
         linear = self.surgery.get("linear")
         if linear:
             return self.num_layers * linear_cache_values(self.num_kv_heads, self.head_dim, int(linear["window"]),
-                                                         int(linear["feature_dim"]), context)
+                                                         int(linear["feature_dim"]), context, int(linear.get("sinks", 0)))
         return self.kv_values_per_token * context
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,10 +78,12 @@ class AttentionAnatomy:
         return record
 
 
-def linear_cache_values(kv_heads: int, head_dim: int, window: int, feature_dim: int, context: int) -> int:
-    """One hybrid linear layer's cache at ``context`` tokens: the window's keys and values, and the state
-    S = sum phi(k) v^T and z = sum phi(k) of the older keys (2F x (d + 1) per KV head)."""
-    return 2 * kv_heads * head_dim * min(context, window) + kv_heads * 2 * feature_dim * (head_dim + 1)
+def linear_cache_values(kv_heads: int, head_dim: int, window: int, feature_dim: int, context: int,
+                        sinks: int = 0) -> int:
+    """One hybrid linear layer's cache at ``context`` tokens: the window's and the sinks' keys and values, and
+    the state S = sum phi(k) v^T and z = sum phi(k) of the other older keys (2F x (d + 1) per KV head)."""
+    exact = min(context, window + sinks)
+    return 2 * kv_heads * head_dim * exact + kv_heads * 2 * feature_dim * (head_dim + 1)
 
 
 def config_dtype(config: PretrainedConfig) -> str:

@@ -47,12 +47,12 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
     "nope_width": "--nope-width", "weighted": "--weighted/--unweighted", "token_weights": "--token-weights",
     "refine_steps": "--refine-steps", "refine_tokens": "--refine-tokens", "refine_lr": "--refine-lr",
     "refine_schedule": "--refine-schedule", "short_prompts": "--short-prompts", "stream": "--stream/--no-stream",
-    "window": "--window", "feature_dim": "--feature-dim", "transfer_steps": "--transfer-steps",
+    "window": "--window", "sinks": "--sinks", "feature_dim": "--feature-dim", "transfer_steps": "--transfer-steps",
     "transfer_lr": "--transfer-lr",
 }
 # Hidden from --help so it fits one screen (docs/mla.md and docs/linear.md describe them): --weighted,
 # --token-weights and --refine-schedule, measured no better than their defaults on either real model, and
-# --transfer-lr.
+# --transfer-lr and --sinks.
 
 
 @app.command(epilog=examples(
@@ -134,6 +134,8 @@ def convert(
     ] = MLA.stream,
     window: Annotated[int, typer.Option("--window", help="Keys of exact softmax attention.",
                                         rich_help_panel=PLAN)] = LINEAR.window,
+    sinks: Annotated[int, typer.Option("--sinks", help="First keys of a sequence kept exact (attention sinks).",
+                                       hidden=True)] = LINEAR.sinks,
     feature_dim: Annotated[Optional[int], typer.Option("--feature-dim", help="Feature map width per half (default: head dim).",
                                                        rich_help_panel=PLAN)] = LINEAR.feature_dim,
     transfer_steps: Annotated[int, typer.Option("--transfer-steps", help="Attention-transfer steps per layer.",

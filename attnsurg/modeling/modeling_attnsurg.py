@@ -589,13 +589,31 @@ def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
 
 class LinearStateLayer(DynamicSlidingWindowLayer):
     """One hybrid linear layer's cache: the last ``window`` keys and values (the sliding window layer holds
-    ``sliding_window - 1`` of them) and the state of every older key, S = sum_j phi(k_j) v_j^T [B, G, 2F, d]
-    and z = sum_j phi(k_j) [B, G, 2F], both float32. Its length counts every token seen."""
+    ``sliding_window - 1`` of them), the sink keys and values (the first ``sinks`` of the sequence, once they
+    have left the window) and the state of every other older key, S = sum_j phi(k_j) v_j^T [B, G, 2F, d] and
+    z = sum_j phi(k_j) [B, G, 2F], both float32. Its length counts every token seen."""
 
     def __init__(self, window: int) -> None:
         super().__init__(sliding_window=window + 1)
         self.state: torch.Tensor | None = None
         self.normalizer: torch.Tensor | None = None
+        self.sink_keys: torch.Tensor | None = None
+        self.sink_values: torch.Tensor | None = None
+
+    def keep_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copies, so the window's larger storage these may be views of is not held."""
+        self.sink_keys = keys.clone() if self.sink_keys is None else torch.cat([self.sink_keys, keys], dim=2)
+        self.sink_values = values.clone() if self.sink_values is None else torch.cat([self.sink_values, values], dim=2)
+
+    def with_sinks(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> tuple[torch.Tensor, ...]:
+        """The sink keys and values kept so far before ``keys``/``values`` (whose first is at position
+        ``first``), and the positions of them all."""
+        positions = torch.arange(first, first + keys.shape[2], device=keys.device)
+        if self.sink_keys is None:
+            return keys, values, positions
+        held = torch.arange(self.sink_keys.shape[2], device=keys.device)
+        return (torch.cat([self.sink_keys, keys], dim=2), torch.cat([self.sink_values, values], dim=2),
+                torch.cat([held, positions]))
 
 
 def linear_cache_layer(cache, layer_idx: int, window: int) -> LinearStateLayer:
@@ -614,26 +632,30 @@ def linear_cache_layer(cache, layer_idx: int, window: int) -> LinearStateLayer:
 def hybrid_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_features: torch.Tensor,
     key_features: torch.Tensor, window: int, scaling: float, linear_scale: torch.Tensor,
-    state: torch.Tensor | None = None, normalizer: torch.Tensor | None = None,
+    state: torch.Tensor | None = None, normalizer: torch.Tensor | None = None, sinks: int = 0,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """LoLCATs' sliding-window + linear attention (Zhang et al. 2024, eq. 6) for the last T of S keys.
+    """LoLCATs' sliding-window + linear attention (Zhang et al. 2024, eq. 6) for the last T of S keys, with
+    StreamingLLM's attention sinks (Xiao et al. 2024): the first ``sinks`` keys of the sequence stay exact.
 
     query [B, H, T, d] and its features [B, H, T, 2F]; key, value [B, G, S, d] and the keys' features
-    [B, G, S, 2F], the queries being the last T of the S positions. Query i weighs key j by exp(s_ij - m_i)
-    when i - j < window (s_ij = q_i . k_j * scaling, m_i the largest such score) and by
-    exp(linear_scale_h) phi(q_i) . phi(k_j) when older; ``state``/``normalizer`` ([B, G, 2F, d], [B, G, 2F])
-    hold the sums over keys older than the S given, which are all older than the window. One normalisation
-    over both parts. Returns [B, H, T, d] in float32."""
+    [B, G, S, 2F] at ``key_positions`` (default 0 .. S-1), the queries being the last T of them. Query i
+    weighs key j by exp(s_ij - m_i) when i - j < window or j < sinks (s_ij = q_i . k_j * scaling, m_i the
+    largest such score) and by exp(linear_scale_h) phi(q_i) . phi(k_j) otherwise; ``state``/``normalizer``
+    ([B, G, 2F, d], [B, G, 2F]) hold the sums over keys older than those given, none of them a sink. One
+    normalisation over both parts. Returns [B, H, T, d] in float32."""
     length, total = query.shape[2], key.shape[2]
     groups = query.shape[1] // key.shape[1]
     q, f_q = query.float(), query_features
     k, v, f_k = (repeat_heads(t.float(), groups) for t in (key, value, key_features))
-    distance = torch.arange(total - length, total, device=q.device)[:, None] - torch.arange(total, device=q.device)
-    in_window = (distance >= 0) & (distance < window)
-    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~in_window, float("-inf"))
+    positions = key_positions if key_positions is not None else torch.arange(total, device=q.device)
+    distance = positions[-length:, None] - positions[None, :]
+    sink = positions < sinks
+    exact_keys = (distance >= 0) & ((distance < window) | sink)
+    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~exact_keys, float("-inf"))
     exact = torch.exp(scores - scores.amax(-1, keepdim=True))
     scale = linear_scale.float().exp()[None, :, None, None]
-    linear = (f_q @ f_k.transpose(-1, -2)).masked_fill(~(distance >= window), 0.0) * scale
+    linear = (f_q @ f_k.transpose(-1, -2)).masked_fill(~((distance >= window) & ~sink), 0.0) * scale
     weights = exact + linear
     numerator, denominator = weights @ v, weights.sum(-1, keepdim=True)
     if state is not None:
@@ -641,6 +663,17 @@ def hybrid_attention(
         numerator = numerator + f_scaled @ repeat_heads(state, groups)
         denominator = denominator + (f_scaled * repeat_heads(normalizer, groups)[:, :, None]).sum(-1, keepdim=True)
     return numerator / denominator
+
+
+def retire(layer: LinearStateLayer, keys: torch.Tensor, values: torch.Tensor, first: int, sinks: int,
+           key_features: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Keys leaving the window (the first at position ``first``): sinks are kept as they are, the others
+    fold into the state through their features."""
+    kept = min(max(sinks - first, 0), keys.shape[2])
+    if kept:
+        layer.keep_sinks(keys[:, :, :kept], values[:, :, :kept])
+    if kept < keys.shape[2]:
+        fold_into_state(layer, key_features(keys[:, :, kept:]), values[:, :, kept:])
 
 
 def fold_into_state(layer: LinearStateLayer, key_features: torch.Tensor, values: torch.Tensor) -> None:
@@ -652,16 +685,18 @@ def fold_into_state(layer: LinearStateLayer, key_features: torch.Tensor, values:
 
 
 class HybridLinearAttention(AttentionBase):
-    """The source's projections, with softmax attention over the last ``window`` keys and a linear attention
-    through learned Hedgehog feature maps (per query head ``feature_q``, per KV head ``feature_k``) over
-    every older key (LoLCATs, Zhang et al. 2024). Decode costs the same at any context length: the cache
-    (:class:`LinearStateLayer`) holds the window and a fixed-size state, and new tokens are taken
-    LINEAR_CHUNK at a time, so a prompt's cost grows linearly with its length."""
+    """The source's projections, with softmax attention over the last ``window`` keys and the first ``sinks``
+    of the sequence, and a linear attention through learned Hedgehog feature maps (per query head
+    ``feature_q``, per KV head ``feature_k``) over every other older key (LoLCATs, Zhang et al. 2024). Decode
+    costs the same at any context length: the cache (:class:`LinearStateLayer`) holds the window, the sinks
+    and a fixed-size state, and new tokens are taken LINEAR_CHUNK at a time, so a prompt's cost grows
+    linearly with its length."""
 
-    def __init__(self, config, layer_idx: int, q_proj, k_proj, v_proj, o_proj, window: int, feature_dim: int):
+    def __init__(self, config, layer_idx: int, q_proj, k_proj, v_proj, o_proj, window: int, feature_dim: int,
+                 sinks: int = 0):
         super().__init__(config, layer_idx)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
-        self.window, self.feature_dim = window, feature_dim
+        self.window, self.feature_dim, self.sinks = window, feature_dim, sinks
         heads, d = config.num_attention_heads, self.head_dim
         self.feature_q = nn.Parameter(torch.zeros(heads, d, feature_dim))
         self.feature_q_bias = nn.Parameter(torch.zeros(heads, feature_dim))
@@ -679,6 +714,9 @@ class HybridLinearAttention(AttentionBase):
         query, key = self.normed(query, key)
         cos, sin = position_embeddings
         return apply_rope(query, cos, sin), apply_rope(key, cos, sin), value
+
+    def key_features(self, keys: torch.Tensor) -> torch.Tensor:
+        return hedgehog(keys, self.feature_k, self.feature_k_bias)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -698,28 +736,32 @@ class HybridLinearAttention(AttentionBase):
 
     def chunk_step(self, layer: LinearStateLayer, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor) -> torch.Tensor:
-        """New tokens against the window before them and the state; keys that leave the window join the state."""
+        """New tokens against the sinks, the window before them and the state; keys that leave the window
+        join the sinks or the state."""
         keys, values = layer.update(key, value)  # the window before these tokens, then these tokens
+        first = layer.cumulative_length - keys.shape[2]  # the position of keys[:, :, 0]
         if query.shape[2] == 1:
-            return self.decode_step(layer, query, keys, values)
-        key_features = hedgehog(keys, self.feature_k, self.feature_k_bias)
-        output = hybrid_attention(query, keys, values, hedgehog(query, self.feature_q, self.feature_q_bias),
-                                  key_features, self.window, self.scaling, self.linear_scale, layer.state,
-                                  layer.normalizer)
+            return self.decode_step(layer, query, keys, values, first)
+        every_key, every_value, positions = layer.with_sinks(keys, values, first)
+        output = hybrid_attention(query, every_key, every_value, hedgehog(query, self.feature_q, self.feature_q_bias),
+                                  self.key_features(every_key), self.window, self.scaling, self.linear_scale,
+                                  layer.state, layer.normalizer, self.sinks, positions)
         leaving = keys.shape[2] - self.window
         if leaving > 0:
-            fold_into_state(layer, key_features[:, :, :leaving], values[:, :, :leaving])
+            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features)
         return output
 
     def decode_step(self, layer: LinearStateLayer, query: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor) -> torch.Tensor:
-        """One new token: the key leaving the window joins the state first (it is linear for this query), then
-        softmax over the window and the state under one normalisation, each KV head's query heads together."""
+                    values: torch.Tensor, first: int) -> torch.Tensor:
+        """One new token: the key leaving the window joins the sinks or the state first (it is no longer in
+        the window for this query), then softmax over the sinks and the window and the state under one
+        normalisation, each KV head's query heads together."""
         leaving = keys.shape[2] - self.window
         if leaving > 0:
-            fold_into_state(layer, hedgehog(keys[:, :, :leaving], self.feature_k, self.feature_k_bias),
-                            values[:, :, :leaving])
+            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features)
             keys, values = keys[:, :, leaving:], values[:, :, leaving:]
+        if layer.sink_keys is not None:
+            keys, values = torch.cat([layer.sink_keys, keys], dim=2), torch.cat([layer.sink_values, values], dim=2)
         batch, heads, _, d = query.shape
         kv_heads = keys.shape[1]
         rows = (batch, kv_heads, heads // kv_heads)  # a KV head's query heads as the rows of one product
@@ -766,7 +808,8 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
         for index, layer in enumerate(layers):
             old = layer.self_attn
             layer.self_attn = HybridLinearAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
-                                                    int(linear["window"]), int(linear["feature_dim"]))
+                                                    int(linear["window"]), int(linear["feature_dim"]),
+                                                    int(linear.get("sinks", 0)))
     for index, spec in (surgery.get("stacked_tucker") or {}).items():
         layer = layers[int(index)]
         old = layer.self_attn

@@ -17,7 +17,7 @@ from attnsurg.methods import MethodSpec, register
 from attnsurg.methods.base import CardText, Progress, StreamTarget, SurgeryInputs, SurgeryMethod, SurgeryReport, register_method
 from attnsurg.methods.factorized import assemble_factorized
 from attnsurg.methods.linear.stream import linear_streamed
-from attnsurg.methods.linear.transfer import LayerTransfer, Transfer, TransferError
+from attnsurg.methods.linear.transfer import HybridShape, LayerTransfer, Transfer, TransferError
 from attnsurg.placement import on_device
 from attnsurg.recipe import ConvertSettings
 from attnsurg.requests import COMMAND_CALIBRATION, Calibration
@@ -26,6 +26,7 @@ NAME = "linear"
 HELD_OUT_SHARE = 1 / 8  # calibration windows held out of the fit (the last ones: one of each domain at 48)
 STATE_CONTEXT = 8192  # the context the card compares the state with the original cache at
 LINEAR_CALIBRATION_TOKENS = 24576  # 48 windows of 512: at 12 the feature maps overfit (held-out error 2-4x the fit's)
+SINKS = 4  # the first keys of a sequence kept exact, as StreamingLLM keeps them (Xiao et al. 2024)
 LINEAR_CALIBRATION = COMMAND_CALIBRATION.model_copy(update={"tokens": LINEAR_CALIBRATION_TOKENS})
 
 
@@ -43,11 +44,13 @@ register(MethodSpec(NAME, "hybrid sliding-window + linear attention: a cache of 
 
 
 class LinearSettings(ConvertSettings):
-    """``convert --to linear``: softmax attention over the last ``window`` keys, a learned linear attention
-    (Hedgehog feature maps of ``feature_dim`` per half; default head_dim) over the older ones."""
+    """``convert --to linear``: softmax attention over the last ``window`` keys and the first ``sinks`` of the
+    sequence, a learned linear attention (Hedgehog feature maps of ``feature_dim`` per half; default
+    head_dim) over the other older ones."""
 
     to: Literal["linear"] = NAME
     window: int = Field(64, ge=1)
+    sinks: int = Field(SINKS, ge=0)
     feature_dim: int | None = Field(None, ge=1)
     transfer_steps: int = Field(300, ge=0)
     transfer_lr: float = Field(1e-2, gt=0)
@@ -61,13 +64,21 @@ class LinearPlan:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    sinks: int = 0
+
+    @property
+    def shape(self) -> HybridShape:
+        return HybridShape(self.window, self.feature_dim, self.sinks)
 
     def surgery(self) -> dict:
-        return {"format": 1, "method": NAME, "linear": {"window": self.window, "feature_dim": self.feature_dim}}
+        return {"format": 1, "method": NAME,
+                "linear": {"window": self.window, "feature_dim": self.feature_dim, "sinks": self.sinks}}
 
     def state_values(self, context: int) -> int:
-        """Cached values per layer at ``context`` tokens: the window's keys and values and the state S, z."""
-        return linear_cache_values(self.num_kv_heads, self.head_dim, self.window, self.feature_dim, context)
+        """Cached values per layer at ``context`` tokens: the window's and the sinks' keys and values and the
+        state S, z."""
+        return linear_cache_values(self.num_kv_heads, self.head_dim, self.window, self.feature_dim, context,
+                                   self.sinks)
 
     def original_values(self, context: int) -> int:
         return 2 * self.num_kv_heads * self.head_dim * context
@@ -81,7 +92,7 @@ def plan_linear(anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPl
     if reason := unsupported_reason(anatomy):
         raise UserError(f"cannot convert this model to linear attention: {reason}")
     return LinearPlan(settings.window, settings.feature_dim or anatomy.head_dim, anatomy.num_layers,
-                      anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim)
+                      anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks)
 
 
 @dataclass
@@ -143,9 +154,8 @@ class Linear(SurgeryMethod):
         added = {}
         for index, layer in enumerate(source.get_submodule(family.layers_path)):
             with on_device(layer, device):
-                tensors, errors = fitter.fit(layer, source.config, index, plan.window, plan.feature_dim,
-                                             self.transfer_of(settings), held_out_windows(len(inputs.windows)),
-                                             inputs.seed)
+                tensors, errors = fitter.fit(layer, source.config, index, plan.shape, self.transfer_of(settings),
+                                             held_out_windows(len(inputs.windows)), inputs.seed)
             added.update({feature_names(family, index) + name: t.cpu() for name, t in tensors.items()})
             report.layer_errors.append(errors)
             if progress:
@@ -167,8 +177,8 @@ class Linear(SurgeryMethod):
         ratio = plan.state_values(STATE_CONTEXT) / plan.original_values(STATE_CONTEXT)
         errors = report.mean_errors()
         details = [
-            f"window {plan.window} keys of exact softmax attention; Hedgehog feature maps of 2 x {plan.feature_dim} "
-            "per head for every older key",
+            f"exact softmax attention over the last {plan.window} keys and the first {plan.sinks} (attention "
+            f"sinks); Hedgehog feature maps of 2 x {plan.feature_dim} per head for every other older key",
             f"attention transfer: {settings.transfer_steps} Adam steps per layer at {settings.transfer_lr:g}, one "
             f"calibration window each, early-stopped on {held_out_windows(calibration.tokens // calibration.seq_len)} "
             f"held-out windows; calibration: {calibration.tokens} tokens of the calibration part of "
@@ -191,7 +201,7 @@ class Linear(SurgeryMethod):
 
     def report_record(self, report: LinearReport) -> dict:
         plan = report.plan
-        return {"plan": {"window": plan.window, "feature_dim": plan.feature_dim,
+        return {"plan": {"window": plan.window, "feature_dim": plan.feature_dim, "sinks": plan.sinks,
                          "state_values_per_layer": plan.state_values(STATE_CONTEXT),
                          "original_values_per_layer": plan.original_values(STATE_CONTEXT),
                          "context": STATE_CONTEXT, "added_parameters_per_layer": plan.added_parameters()},
@@ -200,7 +210,8 @@ class Linear(SurgeryMethod):
     def report_text(self, model: str, report: LinearReport, dry_run: bool) -> list:
         plan = report.plan
         ratio = plan.state_values(STATE_CONTEXT) / plan.original_values(STATE_CONTEXT)
-        return [f"linear plan for {model}: softmax over the last {plan.window} keys, Hedgehog features 2 x "
+        return [f"linear plan for {model}: softmax over the last {plan.window} keys and the first {plan.sinks}, "
+                f"Hedgehog features 2 x "
                 f"{plan.feature_dim} per head beyond; cache at {STATE_CONTEXT} tokens x{ratio:.3f} of the original's "
                 f"({plan.state_values(STATE_CONTEXT):,} values per layer), {plan.added_parameters():,} parameters added "
                 "per layer"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from attnsurg.arch.anatomy import AttentionAnatomy
-from attnsurg.methods.linear.method import LinearSettings
+from attnsurg.methods.linear.method import LinearSettings, plan_linear
 from attnsurg.methods.linear.transfer import LayerTransfer, Transfer
 from attnsurg.methods.planning import PROXY_WINDOWS, PlanContext, PlannedMethod, register_planned
 
@@ -28,8 +28,8 @@ def linear_proxy(ctx: PlanContext, budgets: tuple[float, ...]) -> list[list[floa
             if window >= windows.shape[1]:
                 row.append(0.0)
                 continue
-            _, error = fitter.fitted(layer, x, target, ctx.model.config, index, int(window), ctx.anatomy.head_dim,
-                                     PROXY_TRANSFER, held_out=1)
+            shape = plan_linear(ctx.anatomy, linear_settings(window, ctx.anatomy)).shape
+            _, error = fitter.fitted(layer, x, target, ctx.model.config, index, shape, PROXY_TRANSFER, held_out=1)
             row.append(error.held_after)
         fitter.advance(layer, target)
     return errors

@@ -42,8 +42,7 @@ def linear_streamed(
         errors = [TransferError(*error) for error in start.errors]
         for index in range(start.layer, config.num_hidden_layers):
             layer = load_layer(reader, source_config, index, prefix=family.layers_path).to(device)
-            features, error = fitter.fit(layer, source_config, index, plan.window, plan.feature_dim, transfer, held_out,
-                                         seed)
+            features, error = fitter.fit(layer, source_config, index, plan.shape, transfer, held_out, seed)
             prefix = f"{family.layers_path}.{index}."
             for name, tensor in layer.state_dict().items():
                 writer.add(prefix + name, tensor.to(dtype))

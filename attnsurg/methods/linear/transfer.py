@@ -29,6 +29,15 @@ class Transfer:
     lr: float = 1e-2
 
 
+class HybridShape(NamedTuple):
+    """What a hybrid attention keeps exact (the last ``window`` keys and the first ``sinks``) and the width of
+    each half of its feature maps."""
+
+    window: int
+    feature_dim: int
+    sinks: int = 0
+
+
 class TransferError(NamedTuple):
     """A layer's relative output error against the softmax attention, on the windows it trains on and on
     the held-out ones, at the feature maps' initialisation (before) and as kept (after)."""
@@ -58,7 +67,7 @@ def hybrid_output(attention: HybridLinearAttention, query: torch.Tensor, key: to
     """The hybrid attention's output [n, L, D] on whole windows (queries over every position, no cache)."""
     heads = hybrid_attention(query, key, value, hedgehog(query, attention.feature_q, attention.feature_q_bias),
                              hedgehog(key, attention.feature_k, attention.feature_k_bias), attention.window,
-                             attention.scaling, attention.linear_scale)
+                             attention.scaling, attention.linear_scale, sinks=attention.sinks)
     return attention.o_proj(heads.transpose(1, 2).flatten(2))
 
 
@@ -122,10 +131,10 @@ def load_features(attention: HybridLinearAttention, state: dict[str, torch.Tenso
             getattr(attention, name).copy_(tensor)
 
 
-def hybrid_of(source_attention: torch.nn.Module, config, index: int, window: int, feature_dim: int) -> HybridLinearAttention:
+def hybrid_of(source_attention: torch.nn.Module, config, index: int, shape: HybridShape) -> HybridLinearAttention:
     """A hybrid attention over the source attention's own projections (shared, not copied), initialised."""
     a = source_attention
-    hybrid = HybridLinearAttention(config, index, a.q_proj, a.k_proj, a.v_proj, a.o_proj, window, feature_dim)
+    hybrid = HybridLinearAttention(config, index, a.q_proj, a.k_proj, a.v_proj, a.o_proj, *shape)
     hybrid.carry_norms(a)
     return initialised(hybrid.to(a.q_proj.weight.device))
 
@@ -141,11 +150,11 @@ class LayerTransfer:
         self.mask = additive_mask(visible_keys(stream.shape[1])[None].expand(len(stream), -1, -1))
 
     @torch.no_grad()
-    def fit(self, layer: torch.nn.Module, config, index: int, window: int, feature_dim: int, settings: Transfer,
+    def fit(self, layer: torch.nn.Module, config, index: int, shape: HybridShape, settings: Transfer,
             held_out: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], TransferError]:
         """The fitted feature tensors of layer ``index`` and its errors; the stream moves past the layer."""
         x, target = self.layer_io(layer)
-        features, errors = self.fitted(layer, x, target, config, index, window, feature_dim, settings, held_out, seed)
+        features, errors = self.fitted(layer, x, target, config, index, shape, settings, held_out, seed)
         self.advance(layer, target)
         return features, errors
 
@@ -156,9 +165,9 @@ class LayerTransfer:
         x = getattr(layer, self.family.input_norm)(self.stream)
         return x, source(hidden_states=x, position_embeddings=self.position_embeddings, attention_mask=self.mask)[0]
 
-    def fitted(self, layer: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, config, index: int, window: int,
-               feature_dim: int, settings: Transfer, held_out: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], TransferError]:
-        hybrid = hybrid_of(getattr(layer, self.family.attention_attr), config, index, window, feature_dim)
+    def fitted(self, layer: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, config, index: int,
+               shape: HybridShape, settings: Transfer, held_out: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], TransferError]:
+        hybrid = hybrid_of(getattr(layer, self.family.attention_attr), config, index, shape)
         errors = transfer_layer(hybrid, x, self.position_embeddings, target, settings, held_out, seed + index)
         return feature_state(hybrid), errors
 

@@ -9,7 +9,7 @@ LAYERS = [  # from the top, as docs/architecture.md lists them
     {"pipelines", "analyze", "heal", "generate"},
     {"eval", "info"},
     {"methods"},
-    {"calibrate", "heads", "sparsity", "linalg", "placement", "data", "distillation", "io", "arch", "modeling"},
+    {"calibrate", "heads", "sparsity", "linalg", "placement", "data", "distillation", "adapters", "io", "arch", "modeling"},
     {"recipe", "requests", "errors", "ui", "recipes"},
 ]
 

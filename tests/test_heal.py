@@ -210,6 +210,7 @@ def test_cli_heals_a_checkpoint(tiny_checkpoints, corpus_file, tmp_path, train):
     assert not (tmp_path / "healed.heal-state").exists()
     card = ModelCard.load(tmp_path / "healed" / "README.md")
     assert card.data.license == "apache-2.0"
+    assert ("LoRA adapters of rank 4" in card.text) == bool(train)
 
 
 def test_cli_refuses_mismatched_vocabularies(tiny_checkpoints, tmp_path, tokenizer):

@@ -439,6 +439,12 @@ def healing_note(report) -> str:
     return "healed after the surgery (see below)" if getattr(report, "heal", None) is not None else "no healing"
 
 
+def trained_part(settings) -> str:
+    if settings.train == "lora":
+        return f"LoRA adapters of rank {settings.lora_rank} on the attention, merged into the weights"
+    return settings.train
+
+
 def add_healing(info: CardInfo, heal, settings, ppl_original: float | None = None) -> None:
     data = settings.data.dataset or str(settings.data.text)
     teacher = settings.teacher.ref if settings.teacher else "the source model"
@@ -446,7 +452,7 @@ def add_healing(info: CardInfo, heal, settings, ppl_original: float | None = Non
         f"healing: distillation from {teacher} (KL weight {settings.kl_weight}, LM weight {settings.lm_weight}, "
         f"T {settings.temperature}) on {heal.tokens:,} tokens of the {settings.data.part} part of {data}, "
         f"{heal.steps} steps of {heal.tokens_per_step} tokens, lr {settings.lr} ({settings.schedule}), training "
-        f"{settings.train} ({heal.trainable_parameters:,} parameters), {heal.tokens_per_second:,.0f} tokens/s"
+        f"{trained_part(settings)} ({heal.trainable_parameters:,} parameters), {heal.tokens_per_second:,.0f} tokens/s"
     )
     if heal.ppl_start is not None and ppl_original is not None:
         info.figures.append({"metric": "ppl after the surgery, before healing (same windows)",

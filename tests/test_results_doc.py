@@ -37,6 +37,13 @@ def test_the_summary_gives_kv_worst_and_facts_per_model_and_says_what_was_not_ru
     assert lines[3] == "| tucker-50 | not run | x0.80 · x2.00 wiki · 0.50 |"
 
 
+def test_a_share_kept_is_not_shown_where_the_original_barely_answers():
+    original = {**row("original", 1000, {"wiki-sample": 1.0}, 1.0), "facts": [0.55, 0.003]}
+    converted = {**row("mla-50", 500, {"wiki-sample": 1.2}, 0.9), "facts": [0.5, 0.0], "facts_kept": [0.9, 0.0]}
+    table = results_doc.matrix_table([original, converted], SETTINGS)
+    assert "| 0.500 (0.900) | 0.000 (n/a) |" in table.splitlines()[-1]
+
+
 def test_the_results_page_has_each_model_its_command_and_provenance():
     original = row("original", 1000, {"wiki-sample": 1.0, "c4-sample": 1.0}, 1.0)
     page = results_doc.results_doc([run("qwen2.5-coder-0.5b", original, row("mla-50", 500, {"wiki-sample": 1.3, "c4-sample": 1.5}, 0.8))])

@@ -33,17 +33,19 @@ def converted(model, family: str, **settings) -> tuple[torch.nn.Module, LinearRe
     return method.operate_model(model, inputs, settings, report), report
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_a_window_as_long_as_the_context_reproduces_the_logits(family):
+@pytest.mark.parametrize("family,feature_map", [("llama", "hedgehog"), ("qwen2", "hedgehog"), ("qwen3", "hedgehog"),
+                                                ("mistral", "hedgehog"), ("qwen2", "performer")])
+def test_a_window_as_long_as_the_context_reproduces_the_logits(family, feature_map):
     model = build_tiny(family, VOCAB, num_key_value_heads=2)
-    linear, _ = converted(model, family, window=48, transfer_steps=5)
+    linear, _ = converted(model, family, window=48, feature_map=feature_map, transfer_steps=5)
     assert logit_error(linear, model, held_out()) < 1e-4
 
 
-@pytest.mark.parametrize("batch,sinks", [(1, 4), (2, 4), (1, 0)])
-def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, batch, sinks):
+@pytest.mark.parametrize("batch,sinks,feature_map", [(1, 4, "hedgehog"), (2, 4, "hedgehog"), (1, 0, "hedgehog"),
+                                                     (2, 4, "performer")])
+def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, batch, sinks, feature_map):
     model = build_tiny("llama", VOCAB, num_key_value_heads=2)
-    linear, _ = converted(model, "llama", window=6, sinks=sinks, transfer_steps=5)
+    linear, _ = converted(model, "llama", window=6, sinks=sinks, feature_map=feature_map, transfer_steps=5)
     ids = held_out()[:batch, :40]
     with torch.no_grad():
         parallel = linear(ids, use_cache=False).logits  # one chunk: the whole sequence at once
@@ -68,6 +70,36 @@ def test_without_the_linear_part_the_sinks_and_the_window_are_softmax_attention(
     seen = (distance >= 0) & ((distance < window) | (torch.arange(20)[None, :] < sinks))
     want = torch.softmax((query @ key.transpose(-1, -2) * 0.5).masked_fill(~seen, float("-inf")), -1) @ value
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def performer_error(features: int, query, key, value) -> float:
+    """The hybrid with one exact key (itself) and Performer's features against full causal softmax attention."""
+    from attnsurg.linalg import orthogonal_gaussian
+
+    d = query.shape[-1]
+    weight = orthogonal_gaussian(features, d, torch.Generator().manual_seed(features)).T.float()[None]
+    log_q, log_k = (modeling_attnsurg.performer_log(x, weight, d**-0.5) for x in (query, key))
+    got = modeling_attnsurg.hybrid_attention(query, key, value, log_q, log_k.exp(), 1, d**-0.5, torch.zeros(1),
+                                             anchored=True)
+    causal = torch.ones(query.shape[2], query.shape[2], dtype=torch.bool).tril()
+    want = torch.softmax((query @ key.transpose(-1, -2) * d**-0.5).masked_fill(~causal, float("-inf")), -1) @ value
+    return ((got - want).norm() / want.norm()).item()
+
+
+def test_performer_features_approach_softmax_attention_as_they_widen():
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 1, 32, 16, generator=generator) for _ in range(3))
+    query, key = query / 2, key / 2  # scores of spread 1/4: the estimator's variance grows as exp(|q + k|^2)
+    errors = [performer_error(features, query, key, value) for features in (4, 64, 1024)]
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 0.1
+
+
+def test_a_performer_conversion_trains_nothing_and_shares_each_kv_heads_features():
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    linear, report = converted(model, "llama", window=6, feature_map="performer")
+    attention = linear.model.layers[0].self_attn
+    assert report.plan.feature_map == "performer" and all(e.steps == 0 and e.after == e.before for e in report.layer_errors)
+    assert torch.equal(attention.feature_q, attention.feature_k.repeat_interleave(2, dim=0))
 
 
 def test_generate_decodes_what_recomputing_every_prefix_gives():
@@ -116,7 +148,8 @@ def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_fil
     record = json.loads(result.stdout)
     assert record["plan"]["window"] == 8 and len(record["layer_errors"]) == 2
     assert record["layer_errors"][0]["after"] < record["layer_errors"][0]["before"]
-    assert json.loads((out / "config.json").read_text())["attnsurg"]["linear"] == {"window": 8, "feature_dim": 16, "sinks": 4}
+    assert json.loads((out / "config.json").read_text())["attnsurg"]["linear"] == {"window": 8, "feature_dim": 16, "sinks": 4,
+                                                                                 "feature_map": "hedgehog"}
     reloaded = load_model(resolve_source(str(out)))
     assert isinstance(reloaded.model.layers[0].self_attn, modeling_attnsurg.HybridLinearAttention)
     anatomy = inspect_config(reloaded.config)  # the cache a reader of the checkpoint is told of: fixed past the window
@@ -126,6 +159,25 @@ def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_fil
     with torch.no_grad():  # the written model is the scored one: its perplexity on the same windows
         source = load_model(resolve_source(str(tiny_checkpoints["llama-gqa"])))
         assert logit_error(reloaded, source, held_out()) > 1e-3  # the window is shorter than the context
+
+
+def test_cli_writes_a_performer_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_file, tmp_path):
+    out = tmp_path / "performer"
+    args = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "8", "--feature-map",
+            "performer", "--calib-text", str(corpus_file), "--calib-tokens", "512", "--calib-seq-len", "64",
+            "--eval-tokens", "128", "--eval-domains", "none", "-o", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["plan"]["feature_map"] == "performer" and {e["steps"] for e in record["layer_errors"]} == {0}
+    assert json.loads((out / "config.json").read_text())["attnsurg"]["linear"]["feature_map"] == "performer"
+    assert remote_code_matches_attnsurg(out, tmp_path)
+
+
+def test_an_unknown_feature_map_is_one_line(tiny_checkpoints, tmp_path):
+    result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear",
+                                      "--feature-map", "cosformer", "-o", str(tmp_path / "x")])
+    assert result.exit_code != 0 and result.output == "error: --feature-map: Input should be 'hedgehog' or 'performer'\n"
 
 
 def test_streamed_writes_the_loaded_conversion(tiny_checkpoints, corpus_file, tmp_path):

@@ -17,6 +17,7 @@ import torch
 
 from attnsurg.heads import attention_probabilities
 from attnsurg.calibrate import visible_keys
+from attnsurg.linalg import orthogonal_gaussian
 
 BUDGETS = (1 / 16, 1 / 8, 1 / 4)
 LSH_ROUNDS = 2  # hash rounds whose buckets a query may attend in (Reformer, sec. 3)
@@ -68,18 +69,6 @@ def nystrom(q, k, v, scale, budget: float, generator=None, iterations: int | Non
 
 def bidirectional_attention(q, k, v, scale) -> torch.Tensor:
     return torch.softmax((q @ k.T) * scale, -1) @ v
-
-
-def orthogonal_gaussian(features: int, dim: int, generator: torch.Generator) -> torch.Tensor:
-    """Rows of blocks of orthogonal directions with chi-distributed norms (Performer's ORF, Choromanski et al.
-    2021, sec. 4.2): unbiased like i.i.d. Gaussian features, with lower variance."""
-    blocks = []
-    for _ in range(math.ceil(features / dim)):
-        square = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        blocks.append(torch.linalg.qr(square).Q.T)
-    directions = torch.cat(blocks)[:features]
-    norms = torch.randn(features, dim, generator=generator, dtype=torch.float64).norm(dim=1)
-    return directions * norms[:, None]
 
 
 def performer(q, k, v, scale, budget: float, generator: torch.Generator | None = None) -> torch.Tensor:

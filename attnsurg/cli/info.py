@@ -117,7 +117,8 @@ def surgery_cell(surgery: dict) -> str:
             spread = str(ranks[0]) if min(ranks) == max(ranks) else f"{min(ranks)}-{max(ranks)}"
             lines.append(f"{len(ranks)} {label}, rank {spread}")
     if linear := surgery.get("linear"):
-        lines.append(f"softmax over the last {linear['window']} keys, feature maps 2 x {linear['feature_dim']} beyond; "
+        lines.append(f"softmax over the last {linear['window']} keys and the first {linear.get('sinks', 0)}, "
+                     f"{linear.get('feature_map', 'hedgehog')} feature maps 2 x {linear['feature_dim']} beyond; "
                      "the cache stops growing past the window")
     return "\n".join(lines)
 

@@ -22,8 +22,8 @@ A checkpoint keeps its family's architecture and records its surgery in ``config
   latent, not K and V; keys are rebuilt from it and rotated afterwards (Palu, Chang et al. 2024, sec. 3).
 - ``loki``: {"rank": r, "top_k": count or fraction}: every layer scores keys with r PCA coordinates and
   attends over its top-k (:class:`LokiAttention`).
-- ``linear``: {"window": w, "feature_dim": F}: every layer attends exactly over its last w keys and through a
-  learned feature map over the older ones, whose keys and values are folded into a fixed-size state
+- ``linear``: {"window": w, "feature_dim": F, "sinks": s, "feature_map": "hedgehog" or "performer"}: every layer
+  attends exactly over its last w keys and its first s and through a feature map over the other older ones, whose keys and values are folded into a fixed-size state
   (:class:`HybridLinearAttention`); the cache holds the window and the state, whatever the context's length.
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -587,6 +588,20 @@ def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
     return torch.cat([torch.softmax(projected, dim=-1), torch.softmax(-projected, dim=-1)], dim=-1)
 
 
+def performer_log(x: torch.Tensor, weight: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The log of FAVOR+'s positive random features with the hyperbolic pair (Choromanski et al. 2021, Lemma 1):
+    phi(x) = exp(-|x'|^2 / 2) / sqrt(2F) [exp(x' W), exp(-x' W)] with x' = x scaling^(1/2), so that
+    E[phi(q) . phi(k)] = exp(q . k scaling). x [B, heads, T, d], weight [heads, d, F] (F random directions per
+    head) -> [B, heads, T, 2F], float32."""
+    x = x.float() * scaling**0.5
+    projected = torch.einsum("bhtd,hdf->bhtf", x, weight.float())
+    shift = x.pow(2).sum(-1, keepdim=True) / 2 + 0.5 * math.log(2 * weight.shape[-1])
+    return torch.cat([projected, -projected], dim=-1) - shift
+
+
+FEATURE_MAPS = ("hedgehog", "performer")
+
+
 class LinearStateLayer(DynamicSlidingWindowLayer):
     """One hybrid linear layer's cache: the last ``window`` keys and values (the sliding window layer holds
     ``sliding_window - 1`` of them), the sink keys and values (the first ``sinks`` of the sequence, once they
@@ -633,7 +648,7 @@ def hybrid_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_features: torch.Tensor,
     key_features: torch.Tensor, window: int, scaling: float, linear_scale: torch.Tensor,
     state: torch.Tensor | None = None, normalizer: torch.Tensor | None = None, sinks: int = 0,
-    key_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None, anchored: bool = False,
 ) -> torch.Tensor:
     """LoLCATs' sliding-window + linear attention (Zhang et al. 2024, eq. 6) for the last T of S keys, with
     StreamingLLM's attention sinks (Xiao et al. 2024): the first ``sinks`` keys of the sequence stay exact.
@@ -643,7 +658,9 @@ def hybrid_attention(
     weighs key j by exp(s_ij - m_i) when i - j < window or j < sinks (s_ij = q_i . k_j * scaling, m_i the
     largest such score) and by exp(linear_scale_h) phi(q_i) . phi(k_j) otherwise; ``state``/``normalizer``
     ([B, G, 2F, d], [B, G, 2F]) hold the sums over keys older than those given, none of them a sink. One
-    normalisation over both parts. Returns [B, H, T, d] in float32."""
+    normalisation over both parts. ``anchored``: the query features are given as logs, of a map whose products
+    estimate exp(s_ij) (Performer's), and are put on the exact part's scale as exp(log phi(q_i) - m_i). Returns
+    [B, H, T, d] in float32."""
     length, total = query.shape[2], key.shape[2]
     groups = query.shape[1] // key.shape[1]
     q, f_q = query.float(), query_features
@@ -653,7 +670,9 @@ def hybrid_attention(
     sink = positions < sinks
     exact_keys = (distance >= 0) & ((distance < window) | sink)
     scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~exact_keys, float("-inf"))
-    exact = torch.exp(scores - scores.amax(-1, keepdim=True))
+    largest = scores.amax(-1, keepdim=True)
+    exact = torch.exp(scores - largest)
+    f_q = (f_q - largest).exp() if anchored else f_q
     scale = linear_scale.float().exp()[None, :, None, None]
     linear = (f_q @ f_k.transpose(-1, -2)).masked_fill(~((distance >= window) & ~sink), 0.0) * scale
     weights = exact + linear
@@ -686,17 +705,21 @@ def fold_into_state(layer: LinearStateLayer, key_features: torch.Tensor, values:
 
 class HybridLinearAttention(AttentionBase):
     """The source's projections, with softmax attention over the last ``window`` keys and the first ``sinks``
-    of the sequence, and a linear attention through learned Hedgehog feature maps (per query head
-    ``feature_q``, per KV head ``feature_k``) over every other older key (LoLCATs, Zhang et al. 2024). Decode
+    of the sequence, and a linear attention over every other older key (LoLCATs, Zhang et al. 2024) through
+    feature maps (per query head ``feature_q``, per KV head ``feature_k``): learned Hedgehog maps, or
+    Performer's random features (``feature_map="performer"``, the biases unused). Decode
     costs the same at any context length: the cache (:class:`LinearStateLayer`) holds the window, the sinks
     and a fixed-size state, and new tokens are taken LINEAR_CHUNK at a time, so a prompt's cost grows
     linearly with its length."""
 
     def __init__(self, config, layer_idx: int, q_proj, k_proj, v_proj, o_proj, window: int, feature_dim: int,
-                 sinks: int = 0):
+                 sinks: int = 0, feature_map: str = "hedgehog"):
         super().__init__(config, layer_idx)
+        if feature_map not in FEATURE_MAPS:
+            raise ValueError(f"unknown feature map {feature_map!r}; attnsurg knows {', '.join(FEATURE_MAPS)}")
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
-        self.window, self.feature_dim, self.sinks = window, feature_dim, sinks
+        self.window, self.feature_dim, self.sinks, self.feature_map = window, feature_dim, sinks, feature_map
+        self.anchored = feature_map == "performer"  # its query features are logs (see hybrid_attention)
         heads, d = config.num_attention_heads, self.head_dim
         self.feature_q = nn.Parameter(torch.zeros(heads, d, feature_dim))
         self.feature_q_bias = nn.Parameter(torch.zeros(heads, feature_dim))
@@ -715,7 +738,14 @@ class HybridLinearAttention(AttentionBase):
         cos, sin = position_embeddings
         return apply_rope(query, cos, sin), apply_rope(key, cos, sin), value
 
+    def query_features(self, query: torch.Tensor) -> torch.Tensor:
+        if self.anchored:
+            return performer_log(query, self.feature_q, self.scaling)
+        return hedgehog(query, self.feature_q, self.feature_q_bias)
+
     def key_features(self, keys: torch.Tensor) -> torch.Tensor:
+        if self.anchored:
+            return performer_log(keys, self.feature_k, self.scaling).exp()
         return hedgehog(keys, self.feature_k, self.feature_k_bias)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
@@ -743,9 +773,9 @@ class HybridLinearAttention(AttentionBase):
         if query.shape[2] == 1:
             return self.decode_step(layer, query, keys, values, first)
         every_key, every_value, positions = layer.with_sinks(keys, values, first)
-        output = hybrid_attention(query, every_key, every_value, hedgehog(query, self.feature_q, self.feature_q_bias),
+        output = hybrid_attention(query, every_key, every_value, self.query_features(query),
                                   self.key_features(every_key), self.window, self.scaling, self.linear_scale,
-                                  layer.state, layer.normalizer, self.sinks, positions)
+                                  layer.state, layer.normalizer, self.sinks, positions, self.anchored)
         leaving = keys.shape[2] - self.window
         if leaving > 0:
             retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features)
@@ -767,11 +797,13 @@ class HybridLinearAttention(AttentionBase):
         rows = (batch, kv_heads, heads // kv_heads)  # a KV head's query heads as the rows of one product
         q = query.float().reshape(*rows, d)
         scores = q @ keys.float().transpose(-1, -2) * self.scaling
-        exact = torch.exp(scores - scores.amax(-1, keepdim=True))
+        largest = scores.amax(-1, keepdim=True)
+        exact = torch.exp(scores - largest)
         numerator, denominator = exact @ values.float(), exact.sum(-1, keepdim=True)
         if layer.state is not None:
             scale = self.linear_scale.float().exp().reshape(1, *rows[1:], 1)
-            features = hedgehog(query, self.feature_q, self.feature_q_bias).reshape(*rows, -1) * scale
+            features = self.query_features(query).reshape(*rows, -1)
+            features = ((features - largest).exp() if self.anchored else features) * scale
             numerator = numerator + features @ layer.state
             denominator = denominator + features @ layer.normalizer[..., None]
         return (numerator / denominator).reshape(batch, heads, 1, d)
@@ -809,7 +841,7 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
             old = layer.self_attn
             layer.self_attn = HybridLinearAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
                                                     int(linear["window"]), int(linear["feature_dim"]),
-                                                    int(linear.get("sinks", 0)))
+                                                    int(linear.get("sinks", 0)), linear.get("feature_map", "hedgehog"))
     for index, spec in (surgery.get("stacked_tucker") or {}).items():
         layer = layers[int(index)]
         old = layer.self_attn

@@ -27,6 +27,7 @@ HELD_OUT_SHARE = 1 / 8  # calibration windows held out of the fit (the last ones
 STATE_CONTEXT = 8192  # the context the card compares the state with the original cache at
 LINEAR_CALIBRATION_TOKENS = 24576  # 48 windows of 512: at 12 the feature maps overfit (held-out error 2-4x the fit's)
 SINKS = 4  # the first keys of a sequence kept exact, as StreamingLLM keeps them (Xiao et al. 2024)
+TRANSFER_STEPS = {"hedgehog": 300, "performer": 0}  # Performer's random features need no data
 LINEAR_CALIBRATION = COMMAND_CALIBRATION.model_copy(update={"tokens": LINEAR_CALIBRATION_TOKENS})
 
 
@@ -45,15 +46,22 @@ register(MethodSpec(NAME, "hybrid sliding-window + linear attention: a cache of 
 
 class LinearSettings(ConvertSettings):
     """``convert --to linear``: softmax attention over the last ``window`` keys and the first ``sinks`` of the
-    sequence, a learned linear attention (Hedgehog feature maps of ``feature_dim`` per half; default
-    head_dim) over the other older ones."""
+    sequence, a linear attention over the other older ones through feature maps of ``feature_dim`` per half
+    (default head_dim): learned Hedgehog maps, or Performer's random features, data-free unless
+    ``transfer_steps`` asks for training."""
 
     to: Literal["linear"] = NAME
     window: int = Field(64, ge=1)
     sinks: int = Field(SINKS, ge=0)
+    feature_map: Literal["hedgehog", "performer"] = "hedgehog"
     feature_dim: int | None = Field(None, ge=1)
-    transfer_steps: int = Field(300, ge=0)
+    transfer_steps: int | None = Field(None, ge=0)
     transfer_lr: float = Field(1e-2, gt=0)
+
+    @property
+    def steps(self) -> int:
+        """Attention-transfer steps per layer: as set, or the feature map's default."""
+        return TRANSFER_STEPS[self.feature_map] if self.transfer_steps is None else self.transfer_steps
 
 
 @dataclass
@@ -65,14 +73,15 @@ class LinearPlan:
     num_kv_heads: int
     head_dim: int
     sinks: int = 0
+    feature_map: str = "hedgehog"
 
     @property
     def shape(self) -> HybridShape:
-        return HybridShape(self.window, self.feature_dim, self.sinks)
+        return HybridShape(self.window, self.feature_dim, self.sinks, self.feature_map)
 
     def surgery(self) -> dict:
-        return {"format": 1, "method": NAME,
-                "linear": {"window": self.window, "feature_dim": self.feature_dim, "sinks": self.sinks}}
+        return {"format": 1, "method": NAME, "linear": {"window": self.window, "feature_dim": self.feature_dim,
+                                                        "sinks": self.sinks, "feature_map": self.feature_map}}
 
     def state_values(self, context: int) -> int:
         """Cached values per layer at ``context`` tokens: the window's and the sinks' keys and values and the
@@ -92,7 +101,7 @@ def plan_linear(anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPl
     if reason := unsupported_reason(anatomy):
         raise UserError(f"cannot convert this model to linear attention: {reason}")
     return LinearPlan(settings.window, settings.feature_dim or anatomy.head_dim, anatomy.num_layers,
-                      anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks)
+                      anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks, settings.feature_map)
 
 
 @dataclass
@@ -113,6 +122,12 @@ class LinearReport(SurgeryReport):
 
 def held_out_windows(count: int) -> int:
     return min(count - 1, math.ceil(count * HELD_OUT_SHARE)) if count > 1 else 0
+
+
+def feature_map_text(plan: LinearPlan) -> str:
+    if plan.feature_map == "performer":
+        return f"Performer random features (FAVOR+, orthogonal) of 2 x {plan.feature_dim}"
+    return f"Hedgehog feature maps of 2 x {plan.feature_dim}"
 
 
 def feature_names(family, index: int) -> str:
@@ -142,7 +157,7 @@ class Linear(SurgeryMethod):
         return plan_linear(anatomy, settings)
 
     def transfer_of(self, settings: LinearSettings) -> Transfer:
-        return Transfer(settings.transfer_steps, settings.transfer_lr)
+        return Transfer(settings.steps, settings.transfer_lr)
 
     def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings: LinearSettings,
                       report: LinearReport, progress: Progress = None) -> PreTrainedModel:
@@ -178,8 +193,8 @@ class Linear(SurgeryMethod):
         errors = report.mean_errors()
         details = [
             f"exact softmax attention over the last {plan.window} keys and the first {plan.sinks} (attention "
-            f"sinks); Hedgehog feature maps of 2 x {plan.feature_dim} per head for every other older key",
-            f"attention transfer: {settings.transfer_steps} Adam steps per layer at {settings.transfer_lr:g}, one "
+            f"sinks); {feature_map_text(plan)} per head for every other older key",
+            f"attention transfer: {settings.steps} Adam steps per layer at {settings.transfer_lr:g}, one "
             f"calibration window each, early-stopped on {held_out_windows(calibration.tokens // calibration.seq_len)} "
             f"held-out windows; calibration: {calibration.tokens} tokens of the calibration part of "
             f"{calibration.data.described()}, windows of {calibration.seq_len}; {healing}",
@@ -192,7 +207,7 @@ class Linear(SurgeryMethod):
             summary=("Every layer attends exactly over its last keys and through learned feature maps over all older "
                      "ones, whose keys and values are folded into a fixed-size state: the cache no longer grows with "
                      "the context (LoLCATs, Zhang et al. 2024). The source's projections are unchanged."),
-            tags=["linear-attention", "lolcats", "hedgehog"],
+            tags=["linear-attention", "lolcats", plan.feature_map],
             details=details,
             figures=[{"metric": f"cached values per layer at {STATE_CONTEXT} tokens",
                       "before": f"{plan.original_values(STATE_CONTEXT):,}",
@@ -202,6 +217,7 @@ class Linear(SurgeryMethod):
     def report_record(self, report: LinearReport) -> dict:
         plan = report.plan
         return {"plan": {"window": plan.window, "feature_dim": plan.feature_dim, "sinks": plan.sinks,
+                         "feature_map": plan.feature_map,
                          "state_values_per_layer": plan.state_values(STATE_CONTEXT),
                          "original_values_per_layer": plan.original_values(STATE_CONTEXT),
                          "context": STATE_CONTEXT, "added_parameters_per_layer": plan.added_parameters()},
@@ -211,8 +227,7 @@ class Linear(SurgeryMethod):
         plan = report.plan
         ratio = plan.state_values(STATE_CONTEXT) / plan.original_values(STATE_CONTEXT)
         return [f"linear plan for {model}: softmax over the last {plan.window} keys and the first {plan.sinks}, "
-                f"Hedgehog features 2 x "
-                f"{plan.feature_dim} per head beyond; cache at {STATE_CONTEXT} tokens x{ratio:.3f} of the original's "
+                f"{feature_map_text(plan)} per head beyond; cache at {STATE_CONTEXT} tokens x{ratio:.3f} of the original's "
                 f"({plan.state_values(STATE_CONTEXT):,} values per layer), {plan.added_parameters():,} parameters added "
                 "per layer"]
 

@@ -15,7 +15,8 @@ import torch
 
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import additive_mask, visible_keys
-from attnsurg.modeling.modeling_attnsurg import HybridLinearAttention, hedgehog, hybrid_attention
+from attnsurg.linalg import orthogonal_gaussian
+from attnsurg.modeling.modeling_attnsurg import HybridLinearAttention, hybrid_attention
 
 HELD_OUT_CHECK = 10  # the held-out error is checked every this many steps
 HELD_OUT_PATIENCE = 3  # and training stops after this many checks without a new lowest one
@@ -30,12 +31,13 @@ class Transfer:
 
 
 class HybridShape(NamedTuple):
-    """What a hybrid attention keeps exact (the last ``window`` keys and the first ``sinks``) and the width of
-    each half of its feature maps."""
+    """What a hybrid attention keeps exact (the last ``window`` keys and the first ``sinks``), its feature map
+    and the width of each half of it."""
 
     window: int
     feature_dim: int
     sinks: int = 0
+    feature_map: str = "hedgehog"
 
 
 class TransferError(NamedTuple):
@@ -49,14 +51,21 @@ class TransferError(NamedTuple):
     steps: int
 
 
-def initialised(attention: HybridLinearAttention) -> HybridLinearAttention:
+def initialised(attention: HybridLinearAttention, generator: torch.Generator | None = None) -> HybridLinearAttention:
     """Hedgehog's initialisation: each feature map the identity on its first F coordinates (F <= head_dim),
-    scaled by d^-1/4 so phi(q) . phi(k) starts from the scores' scale; the linear part at weight 1."""
+    scaled by d^-1/4 so phi(q) . phi(k) starts from the scores' scale. Performer's: F orthogonal random
+    directions per KV head, shared by its query heads. The linear part at weight 1."""
     d, features = attention.head_dim, attention.feature_dim
-    eye = torch.eye(d, features) * d**-0.25
+    if attention.feature_map == "performer":
+        generator = generator or torch.Generator().manual_seed(0)
+        keys = torch.stack([orthogonal_gaussian(features, d, generator).T for _ in range(len(attention.feature_k))])
+        queries = keys.repeat_interleave(len(attention.feature_q) // len(keys), dim=0)
+    else:
+        queries = keys = torch.eye(d, features) * d**-0.25
     with torch.no_grad():
-        for weight, bias in ((attention.feature_q, attention.feature_q_bias), (attention.feature_k, attention.feature_k_bias)):
-            weight.copy_(eye.expand_as(weight))
+        for weight, bias, value in ((attention.feature_q, attention.feature_q_bias, queries),
+                                    (attention.feature_k, attention.feature_k_bias, keys)):
+            weight.copy_(value.expand_as(weight))
             bias.zero_()
         attention.linear_scale.zero_()
     return attention
@@ -65,9 +74,9 @@ def initialised(attention: HybridLinearAttention) -> HybridLinearAttention:
 def hybrid_output(attention: HybridLinearAttention, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor) -> torch.Tensor:
     """The hybrid attention's output [n, L, D] on whole windows (queries over every position, no cache)."""
-    heads = hybrid_attention(query, key, value, hedgehog(query, attention.feature_q, attention.feature_q_bias),
-                             hedgehog(key, attention.feature_k, attention.feature_k_bias), attention.window,
-                             attention.scaling, attention.linear_scale, sinks=attention.sinks)
+    heads = hybrid_attention(query, key, value, attention.query_features(query), attention.key_features(key),
+                             attention.window, attention.scaling, attention.linear_scale, sinks=attention.sinks,
+                             anchored=attention.anchored)
     return attention.o_proj(heads.transpose(1, 2).flatten(2))
 
 
@@ -131,12 +140,14 @@ def load_features(attention: HybridLinearAttention, state: dict[str, torch.Tenso
             getattr(attention, name).copy_(tensor)
 
 
-def hybrid_of(source_attention: torch.nn.Module, config, index: int, shape: HybridShape) -> HybridLinearAttention:
-    """A hybrid attention over the source attention's own projections (shared, not copied), initialised."""
+def hybrid_of(source_attention: torch.nn.Module, config, index: int, shape: HybridShape,
+              seed: int = 0) -> HybridLinearAttention:
+    """A hybrid attention over the source attention's own projections (shared, not copied), initialised
+    (random features drawn from ``seed``)."""
     a = source_attention
     hybrid = HybridLinearAttention(config, index, a.q_proj, a.k_proj, a.v_proj, a.o_proj, *shape)
     hybrid.carry_norms(a)
-    return initialised(hybrid.to(a.q_proj.weight.device))
+    return initialised(hybrid, torch.Generator().manual_seed(seed)).to(a.q_proj.weight.device)
 
 
 class LayerTransfer:
@@ -167,7 +178,7 @@ class LayerTransfer:
 
     def fitted(self, layer: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, config, index: int,
                shape: HybridShape, settings: Transfer, held_out: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], TransferError]:
-        hybrid = hybrid_of(getattr(layer, self.family.attention_attr), config, index, shape)
+        hybrid = hybrid_of(getattr(layer, self.family.attention_attr), config, index, shape, seed + index)
         errors = transfer_layer(hybrid, x, self.position_embeddings, target, settings, held_out, seed + index)
         return feature_state(hybrid), errors
 

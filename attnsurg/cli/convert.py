@@ -52,7 +52,7 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
 }
 # Hidden from --help so it fits one screen (docs/mla.md and docs/linear.md describe them): --weighted,
 # --token-weights and --refine-schedule, measured no better than their defaults on either real model, and
-# --transfer-lr and --sinks.
+# --transfer-lr, --sinks and --feature-map (performer: the data-free baseline).
 
 
 @app.command(epilog=examples(
@@ -137,11 +137,11 @@ def convert(
     sinks: Annotated[int, typer.Option("--sinks", help="First keys of a sequence kept exact (attention sinks).",
                                        hidden=True)] = LINEAR.sinks,
     feature_map: Annotated[str, typer.Option("--feature-map", help="hedgehog (learned) or performer (random, data-free).",
-                                             rich_help_panel=PLAN)] = LINEAR.feature_map,
+                                             hidden=True)] = LINEAR.feature_map,
     feature_dim: Annotated[Optional[int], typer.Option("--feature-dim", help="Feature map width per half (default: head dim).",
                                                        rich_help_panel=PLAN)] = LINEAR.feature_dim,
     transfer_steps: Annotated[Optional[int], typer.Option(
-        "--transfer-steps", help="Attention-transfer steps per layer (hedgehog: 300, performer: 0).",
+        "--transfer-steps", help="Attention-transfer steps per layer (default: 300).",
         rich_help_panel=PLAN)] = LINEAR.transfer_steps,
     transfer_lr: Annotated[float, typer.Option("--transfer-lr", help="Attention-transfer learning rate.",
                                                hidden=True, rich_help_panel=PLAN)] = LINEAR.transfer_lr,

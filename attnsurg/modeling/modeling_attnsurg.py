@@ -23,8 +23,9 @@ A checkpoint keeps its family's architecture and records its surgery in ``config
 - ``loki``: {"rank": r, "top_k": count or fraction}: every layer scores keys with r PCA coordinates and
   attends over its top-k (:class:`LokiAttention`).
 - ``linear``: {"window": w, "feature_dim": F, "sinks": s, "feature_map": "hedgehog" or "performer"}: every layer
-  attends exactly over its last w keys and its first s and through a feature map over the other older ones, whose keys and values are folded into a fixed-size state
-  (:class:`HybridLinearAttention`); the cache holds the window and the state, whatever the context's length.
+  attends exactly over its last w keys and its first s, and through a feature map over the other older ones,
+  whose keys and values are folded into a fixed-size state (:class:`HybridLinearAttention`); the cache holds the
+  window, the sinks and the state, whatever the context's length.
 """
 
 from __future__ import annotations

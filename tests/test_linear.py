@@ -41,11 +41,17 @@ def test_a_window_as_long_as_the_context_reproduces_the_logits(family, feature_m
     assert logit_error(linear, model, held_out()) < 1e-4
 
 
-@pytest.mark.parametrize("batch,sinks,feature_map", [(1, 4, "hedgehog"), (2, 4, "hedgehog"), (1, 0, "hedgehog"),
-                                                     (2, 4, "performer")])
-def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, batch, sinks, feature_map):
-    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
-    linear, _ = converted(model, "llama", window=6, sinks=sinks, feature_map=feature_map, transfer_steps=5)
+@pytest.mark.parametrize("family,batch,sinks,feature_map", [
+    ("llama", 1, 4, "hedgehog"), ("llama", 2, 4, "hedgehog"), ("llama", 1, 0, "hedgehog"),
+    ("llama", 2, 4, "performer"), ("qwen2", 1, 4, "performer"),
+])
+def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, family, batch, sinks, feature_map):
+    model = build_tiny(family, VOCAB, num_key_value_heads=2)
+    if family == "qwen2":  # key biases as large as Qwen2's, which put every key far from the origin
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.k_proj.bias.normal_(0, 30.0, generator=torch.Generator().manual_seed(0))
+    linear, _ = converted(model, family, window=6, sinks=sinks, feature_map=feature_map, transfer_steps=5)
     ids = held_out()[:batch, :40]
     with torch.no_grad():
         parallel = linear(ids, use_cache=False).logits  # one chunk: the whole sequence at once
@@ -79,11 +85,36 @@ def performer_error(features: int, query, key, value) -> float:
     d = query.shape[-1]
     weight = orthogonal_gaussian(features, d, torch.Generator().manual_seed(features)).T.float()[None]
     log_q, log_k = (modeling_attnsurg.performer_log(x, weight, d**-0.5) for x in (query, key))
-    got = modeling_attnsurg.hybrid_attention(query, key, value, log_q, log_k.exp(), 1, d**-0.5, torch.zeros(1),
+    got = modeling_attnsurg.hybrid_attention(query, key, value, log_q, log_k, 1, d**-0.5, torch.zeros(1),
                                              anchored=True)
     causal = torch.ones(query.shape[2], query.shape[2], dtype=torch.bool).tril()
     want = torch.softmax((query @ key.transpose(-1, -2) * d**-0.5).masked_fill(~causal, float("-inf")), -1) @ value
     return ((got - want).norm() / want.norm()).item()
+
+
+def reference_hybrid(query, key, value, log_q, log_k, window: int, scaling: float) -> torch.Tensor:
+    """Performer's hybrid in float64: key j weighs exp(s_ij) in the window, else sum_f phi_f(q) phi_f(k)."""
+    q, k, v, log_q, log_k = (t.double() for t in (query, key, value, log_q, log_k))
+    distance = torch.arange(q.shape[2])[:, None] - torch.arange(k.shape[2])[None, :]
+    exact = (q @ k.transpose(-1, -2) * scaling).masked_fill(~((distance >= 0) & (distance < window)), float("-inf"))
+    linear = torch.logsumexp(log_q[..., :, None, :] + log_k[..., None, :, :], dim=-1)
+    logs = torch.where(distance >= window, linear, exact)
+    return torch.softmax(logs, dim=-1) @ v
+
+
+def test_the_linear_part_neither_overflows_nor_underflows_at_any_feature_scale():
+    """Qwen2's key biases put every key far from the origin, so log phi(k) is far below zero and log phi(q) far
+    above it: in float32 exp(log phi(k)) is 0 and exp(log phi(q)) inf, unless the state is held under a shift."""
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 1, 24, 16, generator=generator) for _ in range(3))
+    log_q, log_k = (2 * torch.randn(1, 1, 24, 8, generator=generator) for _ in range(2))
+    for offset in (0.0, 120.0, 400.0):
+        got = modeling_attnsurg.hybrid_attention(query, key, value, log_q + offset, log_k - offset, 4, 0.25,
+                                                 torch.zeros(1), anchored=True)
+        want = reference_hybrid(query, key, value, log_q + offset, log_k - offset, 4, 0.25)
+        assert torch.allclose(got.double(), want, atol=1e-5), offset
+    linear_share = (want - reference_hybrid(query, key, value, log_q, log_k - 1e9, 4, 0.25)).norm() / want.norm()
+    assert linear_share > 0.1  # the linear part counts
 
 
 def test_performer_features_approach_softmax_attention_as_they_widen():

@@ -81,9 +81,10 @@ class AttentionAnatomy:
 def linear_cache_values(kv_heads: int, head_dim: int, window: int, feature_dim: int, context: int,
                         sinks: int = 0) -> int:
     """One hybrid linear layer's cache at ``context`` tokens: the window's and the sinks' keys and values, and
-    the state S = sum phi(k) v^T and z = sum phi(k) of the other older keys (2F x (d + 1) per KV head)."""
+    the state S = sum phi(k) v^T and z = sum phi(k) of the other older keys with their shift (2F x (d + 2) per
+    KV head)."""
     exact = min(context, window + sinks)
-    return 2 * kv_heads * head_dim * exact + kv_heads * 2 * feature_dim * (head_dim + 1)
+    return 2 * kv_heads * head_dim * exact + kv_heads * 2 * feature_dim * (head_dim + 2)
 
 
 def config_dtype(config: PretrainedConfig) -> str:

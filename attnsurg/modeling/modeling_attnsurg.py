@@ -582,11 +582,11 @@ class LokiAttention(AttentionBase):
 LINEAR_CHUNK = 256  # new tokens a hybrid linear attention takes at once: prefill cost O(T (w + chunk))
 
 
-def hedgehog(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Hedgehog's feature map (Zhang et al. 2024, eq. 5): [softmax(x W + b), softmax(-(x W + b))] per head;
-    x [B, heads, T, d], weight [heads, d, F], bias [heads, F] -> [B, heads, T, 2F], computed in float32."""
+def hedgehog_log(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The log of Hedgehog's feature map (Zhang et al. 2024, eq. 5): [softmax(x W + b), softmax(-(x W + b))] per
+    head; x [B, heads, T, d], weight [heads, d, F], bias [heads, F] -> [B, heads, T, 2F], computed in float32."""
     projected = torch.einsum("bhtd,hdf->bhtf", x.float(), weight.float()) + bias.float()[None, :, None]
-    return torch.cat([torch.softmax(projected, dim=-1), torch.softmax(-projected, dim=-1)], dim=-1)
+    return torch.cat([torch.log_softmax(projected, dim=-1), torch.log_softmax(-projected, dim=-1)], dim=-1)
 
 
 def performer_log(x: torch.Tensor, weight: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -607,12 +607,15 @@ class LinearStateLayer(DynamicSlidingWindowLayer):
     """One hybrid linear layer's cache: the last ``window`` keys and values (the sliding window layer holds
     ``sliding_window - 1`` of them), the sink keys and values (the first ``sinks`` of the sequence, once they
     have left the window) and the state of every other older key, S = sum_j phi(k_j) v_j^T [B, G, 2F, d] and
-    z = sum_j phi(k_j) [B, G, 2F], both float32. Its length counts every token seen."""
+    z = sum_j phi(k_j) [B, G, 2F], both float32 and both held divided by exp(shift) per feature, ``shift``
+    [B, G, 2F] being the largest log phi(k_j) folded in so far (so no feature over- or underflows whatever the
+    keys' scale, as online softmax does). Its length counts every token seen."""
 
     def __init__(self, window: int) -> None:
         super().__init__(sliding_window=window + 1)
         self.state: torch.Tensor | None = None
         self.normalizer: torch.Tensor | None = None
+        self.shift: torch.Tensor | None = None
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
 
@@ -631,6 +634,25 @@ class LinearStateLayer(DynamicSlidingWindowLayer):
         return (torch.cat([self.sink_keys, keys], dim=2), torch.cat([self.sink_values, values], dim=2),
                 torch.cat([held, positions]))
 
+    def fold(self, log_features: torch.Tensor, values: torch.Tensor) -> None:
+        """Add keys older than the window (their log features [B, G, n, 2F]) to S and z, raising the shift
+        first where they exceed it."""
+        shift = log_features.detach().amax(2)
+        if self.shift is not None:
+            shift = torch.maximum(shift, self.shift)
+            rescale = torch.exp(self.shift - shift)
+            self.state, self.normalizer = self.state * rescale[..., None], self.normalizer * rescale
+        features = torch.exp(log_features - shift[:, :, None])
+        state, normalizer = features.transpose(-1, -2) @ values.float(), features.sum(2)
+        self.state = state if self.state is None else self.state + state
+        self.normalizer = normalizer if self.normalizer is None else self.normalizer + normalizer
+        self.shift = shift
+
+    def state_at(self, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """S and z divided by exp(``shift``) instead (``shift`` >= the layer's, so nothing overflows)."""
+        rescale = torch.exp(self.shift - shift)
+        return self.state * rescale[..., None], self.normalizer * rescale
+
 
 def linear_cache_layer(cache, layer_idx: int, window: int) -> LinearStateLayer:
     """This layer's slot of a dynamic cache as a :class:`LinearStateLayer` (placed there on first use)."""
@@ -648,40 +670,47 @@ def linear_cache_layer(cache, layer_idx: int, window: int) -> LinearStateLayer:
 def hybrid_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_features: torch.Tensor,
     key_features: torch.Tensor, window: int, scaling: float, linear_scale: torch.Tensor,
-    state: torch.Tensor | None = None, normalizer: torch.Tensor | None = None, sinks: int = 0,
-    key_positions: torch.Tensor | None = None, anchored: bool = False,
+    layer: LinearStateLayer | None = None, sinks: int = 0, key_positions: torch.Tensor | None = None,
+    anchored: bool = False,
 ) -> torch.Tensor:
     """LoLCATs' sliding-window + linear attention (Zhang et al. 2024, eq. 6) for the last T of S keys, with
     StreamingLLM's attention sinks (Xiao et al. 2024): the first ``sinks`` keys of the sequence stay exact.
 
-    query [B, H, T, d] and its features [B, H, T, 2F]; key, value [B, G, S, d] and the keys' features
-    [B, G, S, 2F] at ``key_positions`` (default 0 .. S-1), the queries being the last T of them. Query i
-    weighs key j by exp(s_ij - m_i) when i - j < window or j < sinks (s_ij = q_i . k_j * scaling, m_i the
-    largest such score) and by exp(linear_scale_h) phi(q_i) . phi(k_j) otherwise; ``state``/``normalizer``
-    ([B, G, 2F, d], [B, G, 2F]) hold the sums over keys older than those given, none of them a sink. One
-    normalisation over both parts. ``anchored``: the query features are given as logs, of a map whose products
-    estimate exp(s_ij) (Performer's), and are put on the exact part's scale as exp(log phi(q_i) - m_i). Returns
-    [B, H, T, d] in float32."""
+    query [B, H, T, d] and the log of its features [B, H, T, 2F]; key, value [B, G, S, d] and the log of the
+    keys' features [B, G, S, 2F] at ``key_positions`` (default 0 .. S-1), the queries being the last T of them.
+    Query i weighs key j by exp(s_ij - m_i) when i - j < window or j < sinks (s_ij = q_i . k_j * scaling, m_i
+    the largest such score) and by exp(linear_scale_h) phi(q_i) . phi(k_j) otherwise; ``layer`` holds the
+    state of keys older than those given, none of them a sink. One normalisation over both parts.
+    ``anchored``: the features' products estimate exp(s_ij) (Performer's), so the linear part is put on the
+    exact part's scale, exp(-m_i). Every product is taken in log space under a shift per query and per
+    feature, so neither part over- or underflows when the other dominates. Returns [B, H, T, d] in float32."""
     length, total = query.shape[2], key.shape[2]
     groups = query.shape[1] // key.shape[1]
-    q, f_q = query.float(), query_features
-    k, v, f_k = (repeat_heads(t.float(), groups) for t in (key, value, key_features))
+    q = query.float()
+    k, v = (repeat_heads(t.float(), groups) for t in (key, value))
     positions = key_positions if key_positions is not None else torch.arange(total, device=q.device)
     distance = positions[-length:, None] - positions[None, :]
     sink = positions < sinks
     exact_keys = (distance >= 0) & ((distance < window) | sink)
+    linear_keys = (distance >= window) & ~sink
     scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~exact_keys, float("-inf"))
     largest = scores.amax(-1, keepdim=True)
-    exact = torch.exp(scores - largest)
-    f_q = (f_q - largest).exp() if anchored else f_q
-    scale = linear_scale.float().exp()[None, :, None, None]
-    linear = (f_q @ f_k.transpose(-1, -2)).masked_fill(~((distance >= window) & ~sink), 0.0) * scale
-    weights = exact + linear
+    log_k = key_features.masked_fill(~linear_keys.any(0)[None, None, :, None], float("-inf"))
+    shift = log_k.detach().amax(2)  # [B, G, 2F]
+    if layer is not None and layer.state is not None:
+        shift = torch.maximum(shift, layer.shift)
+    shift = shift.nan_to_num(neginf=0.0)  # features no linear key reaches
+    f_k = repeat_heads(torch.exp(log_k - shift[:, :, None]), groups)
+    log_q = query_features + repeat_heads(shift, groups)[:, :, None] + linear_scale.float()[None, :, None, None]
+    log_q = log_q - largest if anchored else log_q
+    top = log_q.detach().amax(-1, keepdim=True).clamp(min=0.0)  # the exact part's largest weight is exp(0)
+    exact, f_q = torch.exp(scores - largest - top), torch.exp(log_q - top)
+    weights = exact + (f_q @ f_k.transpose(-1, -2)).masked_fill(~linear_keys, 0.0)
     numerator, denominator = weights @ v, weights.sum(-1, keepdim=True)
-    if state is not None:
-        f_scaled = f_q * scale
-        numerator = numerator + f_scaled @ repeat_heads(state, groups)
-        denominator = denominator + (f_scaled * repeat_heads(normalizer, groups)[:, :, None]).sum(-1, keepdim=True)
+    if layer is not None and layer.state is not None:
+        state, normalizer = layer.state_at(shift)
+        numerator = numerator + f_q @ repeat_heads(state, groups)
+        denominator = denominator + (f_q * repeat_heads(normalizer, groups)[:, :, None]).sum(-1, keepdim=True)
     return numerator / denominator
 
 
@@ -693,15 +722,7 @@ def retire(layer: LinearStateLayer, keys: torch.Tensor, values: torch.Tensor, fi
     if kept:
         layer.keep_sinks(keys[:, :, :kept], values[:, :, :kept])
     if kept < keys.shape[2]:
-        fold_into_state(layer, key_features(keys[:, :, kept:]), values[:, :, kept:])
-
-
-def fold_into_state(layer: LinearStateLayer, key_features: torch.Tensor, values: torch.Tensor) -> None:
-    """Add keys older than the window to the layer's S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j)."""
-    state = key_features.transpose(-1, -2) @ values.float()
-    normalizer = key_features.sum(2)
-    layer.state = state if layer.state is None else layer.state + state
-    layer.normalizer = normalizer if layer.normalizer is None else layer.normalizer + normalizer
+        layer.fold(key_features(keys[:, :, kept:]), values[:, :, kept:])
 
 
 class HybridLinearAttention(AttentionBase):
@@ -720,7 +741,7 @@ class HybridLinearAttention(AttentionBase):
             raise ValueError(f"unknown feature map {feature_map!r}; attnsurg knows {', '.join(FEATURE_MAPS)}")
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.window, self.feature_dim, self.sinks, self.feature_map = window, feature_dim, sinks, feature_map
-        self.anchored = feature_map == "performer"  # its query features are logs (see hybrid_attention)
+        self.anchored = feature_map == "performer"  # its features' products estimate exp(s) (see hybrid_attention)
         heads, d = config.num_attention_heads, self.head_dim
         self.feature_q = nn.Parameter(torch.zeros(heads, d, feature_dim))
         self.feature_q_bias = nn.Parameter(torch.zeros(heads, feature_dim))
@@ -740,14 +761,16 @@ class HybridLinearAttention(AttentionBase):
         return apply_rope(query, cos, sin), apply_rope(key, cos, sin), value
 
     def query_features(self, query: torch.Tensor) -> torch.Tensor:
+        """log phi(q) [B, H, T, 2F]."""
         if self.anchored:
             return performer_log(query, self.feature_q, self.scaling)
-        return hedgehog(query, self.feature_q, self.feature_q_bias)
+        return hedgehog_log(query, self.feature_q, self.feature_q_bias)
 
     def key_features(self, keys: torch.Tensor) -> torch.Tensor:
+        """log phi(k) [B, G, S, 2F]."""
         if self.anchored:
-            return performer_log(keys, self.feature_k, self.scaling).exp()
-        return hedgehog(keys, self.feature_k, self.feature_k_bias)
+            return performer_log(keys, self.feature_k, self.scaling)
+        return hedgehog_log(keys, self.feature_k, self.feature_k_bias)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -776,7 +799,7 @@ class HybridLinearAttention(AttentionBase):
         every_key, every_value, positions = layer.with_sinks(keys, values, first)
         output = hybrid_attention(query, every_key, every_value, self.query_features(query),
                                   self.key_features(every_key), self.window, self.scaling, self.linear_scale,
-                                  layer.state, layer.normalizer, self.sinks, positions, self.anchored)
+                                  layer, self.sinks, positions, self.anchored)
         leaving = keys.shape[2] - self.window
         if leaving > 0:
             retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features)
@@ -786,7 +809,7 @@ class HybridLinearAttention(AttentionBase):
                     values: torch.Tensor, first: int) -> torch.Tensor:
         """One new token: the key leaving the window joins the sinks or the state first (it is no longer in
         the window for this query), then softmax over the sinks and the window and the state under one
-        normalisation, each KV head's query heads together."""
+        normalisation (shifted as in hybrid_attention), each KV head's query heads together."""
         leaving = keys.shape[2] - self.window
         if leaving > 0:
             retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features)
@@ -799,14 +822,16 @@ class HybridLinearAttention(AttentionBase):
         q = query.float().reshape(*rows, d)
         scores = q @ keys.float().transpose(-1, -2) * self.scaling
         largest = scores.amax(-1, keepdim=True)
-        exact = torch.exp(scores - largest)
-        numerator, denominator = exact @ values.float(), exact.sum(-1, keepdim=True)
-        if layer.state is not None:
-            scale = self.linear_scale.float().exp().reshape(1, *rows[1:], 1)
-            features = self.query_features(query).reshape(*rows, -1)
-            features = ((features - largest).exp() if self.anchored else features) * scale
-            numerator = numerator + features @ layer.state
-            denominator = denominator + features @ layer.normalizer[..., None]
+        if layer.state is None:
+            exact = torch.exp(scores - largest)
+            return (exact @ values.float() / exact.sum(-1, keepdim=True)).reshape(batch, heads, 1, d)
+        log_q = (self.query_features(query).reshape(*rows, -1) + layer.shift[:, :, None]
+                 + self.linear_scale.float().reshape(1, *rows[1:], 1))
+        log_q = log_q - largest if self.anchored else log_q
+        top = log_q.amax(-1, keepdim=True).clamp(min=0.0)
+        exact, features = torch.exp(scores - largest - top), torch.exp(log_q - top)
+        numerator = exact @ values.float() + features @ layer.state
+        denominator = exact.sum(-1, keepdim=True) + features @ layer.normalizer[..., None]
         return (numerator / denominator).reshape(batch, heads, 1, d)
 
 

@@ -41,17 +41,23 @@ def test_a_window_as_long_as_the_context_reproduces_the_logits(family, feature_m
     assert logit_error(linear, model, held_out()) < 1e-4
 
 
-@pytest.mark.parametrize("family,batch,sinks,feature_map", [
-    ("llama", 1, 4, "hedgehog"), ("llama", 2, 4, "hedgehog"), ("llama", 1, 0, "hedgehog"),
-    ("llama", 2, 4, "performer"), ("qwen2", 1, 4, "performer"),
+@pytest.mark.parametrize("family,batch,sinks,feature_map,decay", [
+    ("llama", 1, 4, "hedgehog", False), ("llama", 2, 4, "hedgehog", False), ("llama", 1, 0, "hedgehog", False),
+    ("llama", 2, 4, "performer", False), ("qwen2", 1, 4, "performer", False), ("llama", 2, 4, "hedgehog", True),
+    ("qwen2", 1, 0, "performer", True),
 ])
-def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, family, batch, sinks, feature_map):
+def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, family, batch, sinks, feature_map, decay):
     model = build_tiny(family, VOCAB, num_key_value_heads=2)
     if family == "qwen2":  # key biases as large as Qwen2's, which put every key far from the origin
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.k_proj.bias.normal_(0, 30.0, generator=torch.Generator().manual_seed(0))
-    linear, _ = converted(model, family, window=6, sinks=sinks, feature_map=feature_map, transfer_steps=5)
+    linear, _ = converted(model, family, window=6, sinks=sinks, feature_map=feature_map, transfer_steps=5,
+                          decay=decay)
+    if decay:  # fast enough to matter over 40 tokens, and different per KV head
+        with torch.no_grad():
+            for layer in linear.model.layers:
+                layer.self_attn.log_decay.copy_(torch.tensor([0.05, 0.3]).log())
     ids = held_out()[:batch, :40]
     with torch.no_grad():
         parallel = linear(ids, use_cache=False).logits  # one chunk: the whole sequence at once
@@ -92,12 +98,13 @@ def performer_error(features: int, query, key, value) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def reference_hybrid(query, key, value, log_q, log_k, window: int, scaling: float) -> torch.Tensor:
-    """Performer's hybrid in float64: key j weighs exp(s_ij) in the window, else sum_f phi_f(q) phi_f(k)."""
+def reference_hybrid(query, key, value, log_q, log_k, window: int, scaling: float, decay: float = 0.0) -> torch.Tensor:
+    """Performer's hybrid in float64: key j weighs exp(s_ij) in the window, else
+    exp(-decay (i - j)) sum_f phi_f(q) phi_f(k)."""
     q, k, v, log_q, log_k = (t.double() for t in (query, key, value, log_q, log_k))
     distance = torch.arange(q.shape[2])[:, None] - torch.arange(k.shape[2])[None, :]
     exact = (q @ k.transpose(-1, -2) * scaling).masked_fill(~((distance >= 0) & (distance < window)), float("-inf"))
-    linear = torch.logsumexp(log_q[..., :, None, :] + log_k[..., None, :, :], dim=-1)
+    linear = torch.logsumexp(log_q[..., :, None, :] + log_k[..., None, :, :], dim=-1) - decay * distance
     logs = torch.where(distance >= window, linear, exact)
     return torch.softmax(logs, dim=-1) @ v
 
@@ -115,6 +122,17 @@ def test_the_linear_part_neither_overflows_nor_underflows_at_any_feature_scale()
         assert torch.allclose(got.double(), want, atol=1e-5), offset
     linear_share = (want - reference_hybrid(query, key, value, log_q, log_k - 1e9, 4, 0.25)).norm() / want.norm()
     assert linear_share > 0.1  # the linear part counts
+
+
+def test_a_decay_fades_the_linear_part_with_distance():
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 2, 24, 16, generator=generator) for _ in range(3))
+    log_q, log_k = (torch.randn(1, 2, 24, 8, generator=generator) for _ in range(2))
+    for decay in (0.0, 0.1, 2.0):
+        got = modeling_attnsurg.hybrid_attention(query, key, value, log_q, log_k, 4, 0.25, torch.zeros(2),
+                                                 anchored=True, decay=torch.full((2,), decay))
+        want = reference_hybrid(query, key, value, log_q, log_k, 4, 0.25, decay)
+        assert torch.allclose(got.double(), want, atol=1e-5), decay
 
 
 def test_performer_features_approach_softmax_attention_as_they_widen():
@@ -172,17 +190,18 @@ def test_attention_transfer_lowers_the_held_out_error_as_features_widen():
 def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_file, tmp_path):
     out = tmp_path / "linear"
     args = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "8", "--transfer-steps", "20",
-            "--calib-text", str(corpus_file), "--calib-tokens", "1024", "--calib-seq-len", "64", "--eval-tokens", "256",
-            "--eval-domains", "none", "-o", str(out), "--json"]
+            "--decay", "--calib-text", str(corpus_file), "--calib-tokens", "1024", "--calib-seq-len", "64",
+            "--eval-tokens", "256", "--eval-domains", "none", "-o", str(out), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert record["plan"]["window"] == 8 and len(record["layer_errors"]) == 2
     assert record["layer_errors"][0]["after"] < record["layer_errors"][0]["before"]
     assert json.loads((out / "config.json").read_text())["attnsurg"]["linear"] == {"window": 8, "feature_dim": 16, "sinks": 4,
-                                                                                 "feature_map": "hedgehog"}
+                                                                                 "feature_map": "hedgehog", "decay": True}
     reloaded = load_model(resolve_source(str(out)))
     assert isinstance(reloaded.model.layers[0].self_attn, modeling_attnsurg.HybridLinearAttention)
+    assert 0 < reloaded.model.layers[0].self_attn.decay().min() < 1
     anatomy = inspect_config(reloaded.config)  # the cache a reader of the checkpoint is told of: fixed past the window
     assert not anatomy.qk_norm  # the source (Llama) has none; the replaced attention holds empty slots for them
     assert anatomy.cache_values(10_000) == anatomy.cache_values(100_000) < anatomy.kv_values_per_token * 10_000 / 50

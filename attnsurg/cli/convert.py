@@ -48,11 +48,11 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
     "refine_steps": "--refine-steps", "refine_tokens": "--refine-tokens", "refine_lr": "--refine-lr",
     "refine_schedule": "--refine-schedule", "short_prompts": "--short-prompts", "stream": "--stream/--no-stream",
     "window": "--window", "sinks": "--sinks", "feature_map": "--feature-map", "feature_dim": "--feature-dim", "transfer_steps": "--transfer-steps",
-    "transfer_lr": "--transfer-lr",
+    "transfer_lr": "--transfer-lr", "decay": "--decay/--no-decay",
 }
 # Hidden from --help so it fits one screen (docs/mla.md and docs/linear.md describe them): --weighted,
 # --token-weights and --refine-schedule, measured no better than their defaults on either real model, and
-# --transfer-lr, --sinks and --feature-map (performer: the data-free baseline).
+# --transfer-lr, --sinks, --feature-map (performer: the data-free baseline) and --decay.
 
 
 @app.command(epilog=examples(
@@ -145,6 +145,8 @@ def convert(
         rich_help_panel=PLAN)] = LINEAR.transfer_steps,
     transfer_lr: Annotated[float, typer.Option("--transfer-lr", help="Attention-transfer learning rate.",
                                                hidden=True, rich_help_panel=PLAN)] = LINEAR.transfer_lr,
+    decay: Annotated[bool, typer.Option("--decay/--no-decay", help="The linear part fades with distance (learned).",
+                                        hidden=True)] = LINEAR.decay,
     eval_tokens: EvalTokens = Evaluation().tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,

@@ -607,15 +607,18 @@ class LinearStateLayer(DynamicSlidingWindowLayer):
     """One hybrid linear layer's cache: the last ``window`` keys and values (the sliding window layer holds
     ``sliding_window - 1`` of them), the sink keys and values (the first ``sinks`` of the sequence, once they
     have left the window) and the state of every other older key, S = sum_j phi(k_j) v_j^T [B, G, 2F, d] and
-    z = sum_j phi(k_j) [B, G, 2F], both float32 and both held divided by exp(shift) per feature, ``shift``
-    [B, G, 2F] being the largest log phi(k_j) folded in so far (so no feature over- or underflows whatever the
-    keys' scale, as online softmax does). Its length counts every token seen."""
+    z = sum_j phi(k_j) [B, G, 2F], both float32. With a decay delta per KV head each key is weighed
+    exp(-delta (t - j)) at position t; S and z are held at position ``anchor`` (the last key folded in) and
+    divided by exp(shift) per feature, ``shift`` [B, G, 2F] the largest log-weight folded in so far, so no
+    feature over- or underflows whatever the keys' scale or the context's length (as online softmax does). Its
+    length counts every token seen."""
 
     def __init__(self, window: int) -> None:
         super().__init__(sliding_window=window + 1)
         self.state: torch.Tensor | None = None
         self.normalizer: torch.Tensor | None = None
         self.shift: torch.Tensor | None = None
+        self.anchor = 0
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
 
@@ -634,23 +637,32 @@ class LinearStateLayer(DynamicSlidingWindowLayer):
         return (torch.cat([self.sink_keys, keys], dim=2), torch.cat([self.sink_values, values], dim=2),
                 torch.cat([held, positions]))
 
-    def fold(self, log_features: torch.Tensor, values: torch.Tensor) -> None:
-        """Add keys older than the window (their log features [B, G, n, 2F]) to S and z, raising the shift
-        first where they exceed it."""
+    def fold(self, log_features: torch.Tensor, values: torch.Tensor, first: int, decay: torch.Tensor) -> None:
+        """Add keys older than the window (their log features [B, G, n, 2F], the first at position ``first``)
+        to S and z, moving the anchor to the last of them and raising the shift where they exceed it."""
+        anchor = first + log_features.shape[2] - 1
+        offsets = torch.arange(first - anchor, 1, device=log_features.device)  # <= 0
+        log_features = log_features + (decay[:, None] * offsets)[None, :, :, None]
         shift = log_features.detach().amax(2)
         if self.shift is not None:
-            shift = torch.maximum(shift, self.shift)
-            rescale = torch.exp(self.shift - shift)
+            held = self.shift_at(anchor, decay)
+            shift = torch.maximum(shift, held)
+            rescale = torch.exp(held - shift)
             self.state, self.normalizer = self.state * rescale[..., None], self.normalizer * rescale
         features = torch.exp(log_features - shift[:, :, None])
         state, normalizer = features.transpose(-1, -2) @ values.float(), features.sum(2)
         self.state = state if self.state is None else self.state + state
         self.normalizer = normalizer if self.normalizer is None else self.normalizer + normalizer
-        self.shift = shift
+        self.shift, self.anchor = shift, anchor
 
-    def state_at(self, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """S and z divided by exp(``shift``) instead (``shift`` >= the layer's, so nothing overflows)."""
-        rescale = torch.exp(self.shift - shift)
+    def shift_at(self, position: int, decay: torch.Tensor) -> torch.Tensor:
+        """The state's shift seen from ``position`` (>= the anchor): every key has decayed since."""
+        return self.shift - (decay * (position - self.anchor))[None, :, None]
+
+    def state_at(self, position: int, shift: torch.Tensor, decay: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """S and z seen from ``position``, divided by exp(``shift``) (>= the state's there, so nothing
+        overflows)."""
+        rescale = torch.exp(self.shift_at(position, decay) - shift)
         return self.state * rescale[..., None], self.normalizer * rescale
 
 
@@ -671,7 +683,7 @@ def hybrid_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_features: torch.Tensor,
     key_features: torch.Tensor, window: int, scaling: float, linear_scale: torch.Tensor,
     layer: LinearStateLayer | None = None, sinks: int = 0, key_positions: torch.Tensor | None = None,
-    anchored: bool = False,
+    anchored: bool = False, decay: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LoLCATs' sliding-window + linear attention (Zhang et al. 2024, eq. 6) for the last T of S keys, with
     StreamingLLM's attention sinks (Xiao et al. 2024): the first ``sinks`` keys of the sequence stay exact.
@@ -679,8 +691,10 @@ def hybrid_attention(
     query [B, H, T, d] and the log of its features [B, H, T, 2F]; key, value [B, G, S, d] and the log of the
     keys' features [B, G, S, 2F] at ``key_positions`` (default 0 .. S-1), the queries being the last T of them.
     Query i weighs key j by exp(s_ij - m_i) when i - j < window or j < sinks (s_ij = q_i . k_j * scaling, m_i
-    the largest such score) and by exp(linear_scale_h) phi(q_i) . phi(k_j) otherwise; ``layer`` holds the
-    state of keys older than those given, none of them a sink. One normalisation over both parts.
+    the largest such score) and by exp(linear_scale_h - decay_g (i - j)) phi(q_i) . phi(k_j) otherwise
+    (``decay`` [G] per token, default 0: the decayed linear attention of RetNet, Sun et al. 2023, eq. 1);
+    ``layer`` holds the state of keys older than those given, none of them a sink. One normalisation over both
+    parts.
     ``anchored``: the features' products estimate exp(s_ij) (Performer's), so the linear part is put on the
     exact part's scale, exp(-m_i). Every product is taken in log space under a shift per query and per
     feature, so neither part over- or underflows when the other dominates. Returns [B, H, T, d] in float32."""
@@ -689,53 +703,59 @@ def hybrid_attention(
     q = query.float()
     k, v = (repeat_heads(t.float(), groups) for t in (key, value))
     positions = key_positions if key_positions is not None else torch.arange(total, device=q.device)
+    decay = decay.float() if decay is not None else torch.zeros(key.shape[1], device=q.device)
     distance = positions[-length:, None] - positions[None, :]
     sink = positions < sinks
     exact_keys = (distance >= 0) & ((distance < window) | sink)
     linear_keys = (distance >= window) & ~sink
     scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~exact_keys, float("-inf"))
     largest = scores.amax(-1, keepdim=True)
-    log_k = key_features.masked_fill(~linear_keys.any(0)[None, None, :, None], float("-inf"))
+    last = int(positions[-1])  # the decay is taken from here: every offset is <= 0
+    log_k = key_features + (decay[:, None] * (positions - last))[None, :, :, None]
+    log_k = log_k.masked_fill(~linear_keys.any(0)[None, None, :, None], float("-inf"))
     shift = log_k.detach().amax(2)  # [B, G, 2F]
     if layer is not None and layer.state is not None:
-        shift = torch.maximum(shift, layer.shift)
+        shift = torch.maximum(shift, layer.shift_at(last, decay))
     shift = shift.nan_to_num(neginf=0.0)  # features no linear key reaches
     f_k = repeat_heads(torch.exp(log_k - shift[:, :, None]), groups)
-    log_q = query_features + repeat_heads(shift, groups)[:, :, None] + linear_scale.float()[None, :, None, None]
+    query_decay = repeat_heads(decay[None, :, None], groups)[0] * (last - positions[-length:])  # [H, T]
+    log_q = (query_features + repeat_heads(shift, groups)[:, :, None]
+             + (linear_scale.float()[:, None] + query_decay)[None, :, :, None])
     log_q = log_q - largest if anchored else log_q
     top = log_q.detach().amax(-1, keepdim=True).clamp(min=0.0)  # the exact part's largest weight is exp(0)
     exact, f_q = torch.exp(scores - largest - top), torch.exp(log_q - top)
     weights = exact + (f_q @ f_k.transpose(-1, -2)).masked_fill(~linear_keys, 0.0)
     numerator, denominator = weights @ v, weights.sum(-1, keepdim=True)
     if layer is not None and layer.state is not None:
-        state, normalizer = layer.state_at(shift)
+        state, normalizer = layer.state_at(last, shift, decay)
         numerator = numerator + f_q @ repeat_heads(state, groups)
         denominator = denominator + (f_q * repeat_heads(normalizer, groups)[:, :, None]).sum(-1, keepdim=True)
     return numerator / denominator
 
 
 def retire(layer: LinearStateLayer, keys: torch.Tensor, values: torch.Tensor, first: int, sinks: int,
-           key_features: Callable[[torch.Tensor], torch.Tensor]) -> None:
+           key_features: Callable[[torch.Tensor], torch.Tensor], decay: torch.Tensor) -> None:
     """Keys leaving the window (the first at position ``first``): sinks are kept as they are, the others
     fold into the state through their features."""
     kept = min(max(sinks - first, 0), keys.shape[2])
     if kept:
         layer.keep_sinks(keys[:, :, :kept], values[:, :, :kept])
     if kept < keys.shape[2]:
-        layer.fold(key_features(keys[:, :, kept:]), values[:, :, kept:])
+        layer.fold(key_features(keys[:, :, kept:]), values[:, :, kept:], first + kept, decay)
 
 
 class HybridLinearAttention(AttentionBase):
     """The source's projections, with softmax attention over the last ``window`` keys and the first ``sinks``
     of the sequence, and a linear attention over every other older key (LoLCATs, Zhang et al. 2024) through
     feature maps (per query head ``feature_q``, per KV head ``feature_k``): learned Hedgehog maps, or
-    Performer's random features (``feature_map="performer"``, the biases unused). Decode
+    Performer's random features (``feature_map="performer"``, the biases unused); with ``decay``, older keys
+    fade by exp(-delta_g) per token, delta_g = exp(``log_decay``_g) per KV head. Decode
     costs the same at any context length: the cache (:class:`LinearStateLayer`) holds the window, the sinks
     and a fixed-size state, and new tokens are taken LINEAR_CHUNK at a time, so a prompt's cost grows
     linearly with its length."""
 
     def __init__(self, config, layer_idx: int, q_proj, k_proj, v_proj, o_proj, window: int, feature_dim: int,
-                 sinks: int = 0, feature_map: str = "hedgehog"):
+                 sinks: int = 0, feature_map: str = "hedgehog", decay: bool = False):
         super().__init__(config, layer_idx)
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"unknown feature map {feature_map!r}; attnsurg knows {', '.join(FEATURE_MAPS)}")
@@ -748,6 +768,13 @@ class HybridLinearAttention(AttentionBase):
         self.feature_k = nn.Parameter(torch.zeros(self.num_key_value_heads, d, feature_dim))
         self.feature_k_bias = nn.Parameter(torch.zeros(self.num_key_value_heads, feature_dim))
         self.linear_scale = nn.Parameter(torch.zeros(heads))  # log of the linear part's weight, per query head
+        self.log_decay = nn.Parameter(torch.full((self.num_key_value_heads,), -math.inf)) if decay else None
+
+    def decay(self) -> torch.Tensor:
+        """delta_g [G], the linear part's decay per token (0 without one)."""
+        if self.log_decay is None:
+            return torch.zeros(self.num_key_value_heads, device=self.linear_scale.device)
+        return self.log_decay.float().exp()
 
     def rotated(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
         """Queries [B, H, T, d], keys and values [B, G, T, d], as the family's attention forms them."""
@@ -797,12 +824,13 @@ class HybridLinearAttention(AttentionBase):
         if query.shape[2] == 1:
             return self.decode_step(layer, query, keys, values, first)
         every_key, every_value, positions = layer.with_sinks(keys, values, first)
+        decay = self.decay()
         output = hybrid_attention(query, every_key, every_value, self.query_features(query),
                                   self.key_features(every_key), self.window, self.scaling, self.linear_scale,
-                                  layer, self.sinks, positions, self.anchored)
+                                  layer, self.sinks, positions, self.anchored, decay)
         leaving = keys.shape[2] - self.window
         if leaving > 0:
-            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features)
+            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features, decay)
         return output
 
     def decode_step(self, layer: LinearStateLayer, query: torch.Tensor, keys: torch.Tensor,
@@ -810,9 +838,9 @@ class HybridLinearAttention(AttentionBase):
         """One new token: the key leaving the window joins the sinks or the state first (it is no longer in
         the window for this query), then softmax over the sinks and the window and the state under one
         normalisation (shifted as in hybrid_attention), each KV head's query heads together."""
-        leaving = keys.shape[2] - self.window
+        leaving, decay = keys.shape[2] - self.window, self.decay()
         if leaving > 0:
-            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features)
+            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features, decay)
             keys, values = keys[:, :, leaving:], values[:, :, leaving:]
         if layer.sink_keys is not None:
             keys, values = torch.cat([layer.sink_keys, keys], dim=2), torch.cat([layer.sink_values, values], dim=2)
@@ -825,7 +853,8 @@ class HybridLinearAttention(AttentionBase):
         if layer.state is None:
             exact = torch.exp(scores - largest)
             return (exact @ values.float() / exact.sum(-1, keepdim=True)).reshape(batch, heads, 1, d)
-        log_q = (self.query_features(query).reshape(*rows, -1) + layer.shift[:, :, None]
+        position = layer.cumulative_length - 1  # this token's
+        log_q = (self.query_features(query).reshape(*rows, -1) + layer.shift_at(position, decay)[:, :, None]
                  + self.linear_scale.float().reshape(1, *rows[1:], 1))
         log_q = log_q - largest if self.anchored else log_q
         top = log_q.amax(-1, keepdim=True).clamp(min=0.0)
@@ -867,7 +896,8 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
             old = layer.self_attn
             layer.self_attn = HybridLinearAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
                                                     int(linear["window"]), int(linear["feature_dim"]),
-                                                    int(linear.get("sinks", 0)), linear.get("feature_map", "hedgehog"))
+                                                    int(linear.get("sinks", 0)), linear.get("feature_map", "hedgehog"),
+                                                    bool(linear.get("decay", False)))
     for index, spec in (surgery.get("stacked_tucker") or {}).items():
         layer = layers[int(index)]
         old = layer.self_attn

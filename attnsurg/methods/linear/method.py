@@ -57,6 +57,7 @@ class LinearSettings(ConvertSettings):
     feature_dim: int | None = Field(None, ge=1)
     transfer_steps: int | None = Field(None, ge=0)
     transfer_lr: float = Field(1e-2, gt=0)
+    decay: bool = False
 
     @property
     def steps(self) -> int:
@@ -74,14 +75,16 @@ class LinearPlan:
     head_dim: int
     sinks: int = 0
     feature_map: str = "hedgehog"
+    decay: bool = False
 
     @property
     def shape(self) -> HybridShape:
-        return HybridShape(self.window, self.feature_dim, self.sinks, self.feature_map)
+        return HybridShape(self.window, self.feature_dim, self.sinks, self.feature_map, self.decay)
 
     def surgery(self) -> dict:
         return {"format": 1, "method": NAME, "linear": {"window": self.window, "feature_dim": self.feature_dim,
-                                                        "sinks": self.sinks, "feature_map": self.feature_map}}
+                                                        "sinks": self.sinks, "feature_map": self.feature_map,
+                                                        "decay": self.decay}}
 
     def state_values(self, context: int) -> int:
         """Cached values per layer at ``context`` tokens: the window's and the sinks' keys and values and the
@@ -93,15 +96,17 @@ class LinearPlan:
         return 2 * self.num_kv_heads * self.head_dim * context
 
     def added_parameters(self) -> int:
-        """Feature maps and the linear part's weight, per layer."""
-        return (self.num_heads + self.num_kv_heads) * self.feature_dim * (self.head_dim + 1) + self.num_heads
+        """Feature maps, the linear part's weight and its decay, per layer."""
+        return ((self.num_heads + self.num_kv_heads) * self.feature_dim * (self.head_dim + 1) + self.num_heads
+                + self.num_kv_heads * self.decay)
 
 
 def plan_linear(anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPlan:
     if reason := unsupported_reason(anatomy):
         raise UserError(f"cannot convert this model to linear attention: {reason}")
     return LinearPlan(settings.window, settings.feature_dim or anatomy.head_dim, anatomy.num_layers,
-                      anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks, settings.feature_map)
+                      anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks, settings.feature_map,
+                      settings.decay)
 
 
 @dataclass
@@ -125,9 +130,10 @@ def held_out_windows(count: int) -> int:
 
 
 def feature_map_text(plan: LinearPlan) -> str:
+    decay = ", decaying with distance" if plan.decay else ""
     if plan.feature_map == "performer":
-        return f"Performer random features (FAVOR+, orthogonal) of 2 x {plan.feature_dim}"
-    return f"Hedgehog feature maps of 2 x {plan.feature_dim}"
+        return f"Performer random features (FAVOR+, orthogonal) of 2 x {plan.feature_dim}{decay}"
+    return f"Hedgehog feature maps of 2 x {plan.feature_dim}{decay}"
 
 
 def feature_names(family, index: int) -> str:
@@ -217,7 +223,7 @@ class Linear(SurgeryMethod):
     def report_record(self, report: LinearReport) -> dict:
         plan = report.plan
         return {"plan": {"window": plan.window, "feature_dim": plan.feature_dim, "sinks": plan.sinks,
-                         "feature_map": plan.feature_map,
+                         "feature_map": plan.feature_map, "decay": plan.decay,
                          "state_values_per_layer": plan.state_values(STATE_CONTEXT),
                          "original_values_per_layer": plan.original_values(STATE_CONTEXT),
                          "context": STATE_CONTEXT, "added_parameters_per_layer": plan.added_parameters()},

@@ -8,6 +8,7 @@ projections stay as they are.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ from attnsurg.modeling.modeling_attnsurg import HybridLinearAttention, hybrid_at
 
 HELD_OUT_CHECK = 10  # the held-out error is checked every this many steps
 HELD_OUT_PATIENCE = 3  # and training stops after this many checks without a new lowest one
+DECAY_INIT = 1e-3  # per token: a key's linear weight halves over about 700 tokens before it is fitted
 
 
 @dataclass(frozen=True)
@@ -31,13 +33,14 @@ class Transfer:
 
 
 class HybridShape(NamedTuple):
-    """What a hybrid attention keeps exact (the last ``window`` keys and the first ``sinks``), its feature map
-    and the width of each half of it."""
+    """What a hybrid attention keeps exact (the last ``window`` keys and the first ``sinks``), its feature map,
+    the width of each half of it, and whether its linear part decays with distance."""
 
     window: int
     feature_dim: int
     sinks: int = 0
     feature_map: str = "hedgehog"
+    decay: bool = False
 
 
 class TransferError(NamedTuple):
@@ -54,7 +57,8 @@ class TransferError(NamedTuple):
 def initialised(attention: HybridLinearAttention, generator: torch.Generator | None = None) -> HybridLinearAttention:
     """Hedgehog's initialisation: each feature map the identity on its first F coordinates (F <= head_dim),
     scaled by d^-1/4 so phi(q) . phi(k) starts from the scores' scale. Performer's: F orthogonal random
-    directions per KV head, shared by its query heads. The linear part at weight 1."""
+    directions per KV head, shared by its query heads. The linear part at weight 1, and its decay (where it
+    has one) at DECAY_INIT per token."""
     d, features = attention.head_dim, attention.feature_dim
     if attention.feature_map == "performer":
         generator = generator or torch.Generator().manual_seed(0)
@@ -68,6 +72,8 @@ def initialised(attention: HybridLinearAttention, generator: torch.Generator | N
             weight.copy_(value.expand_as(weight))
             bias.zero_()
         attention.linear_scale.zero_()
+        if attention.log_decay is not None:
+            attention.log_decay.fill_(math.log(DECAY_INIT))
     return attention
 
 
@@ -76,19 +82,22 @@ def hybrid_output(attention: HybridLinearAttention, query: torch.Tensor, key: to
     """The hybrid attention's output [n, L, D] on whole windows (queries over every position, no cache)."""
     heads = hybrid_attention(query, key, value, attention.query_features(query), attention.key_features(key),
                              attention.window, attention.scaling, attention.linear_scale, sinks=attention.sinks,
-                             anchored=attention.anchored)
+                             anchored=attention.anchored, decay=attention.decay())
     return attention.o_proj(heads.transpose(1, 2).flatten(2))
 
 
+def added_names(attention: HybridLinearAttention) -> tuple[str, ...]:
+    """The tensors a conversion adds to the source's attention, by their names in the module."""
+    names = ("feature_q", "feature_q_bias", "feature_k", "feature_k_bias", "linear_scale")
+    return names + ("log_decay",) if attention.log_decay is not None else names
+
+
 def feature_parameters(attention: HybridLinearAttention) -> list[torch.nn.Parameter]:
-    return [attention.feature_q, attention.feature_q_bias, attention.feature_k, attention.feature_k_bias,
-            attention.linear_scale]
+    return [getattr(attention, name) for name in added_names(attention)]
 
 
 def feature_state(attention: HybridLinearAttention) -> dict[str, torch.Tensor]:
-    """The tensors a conversion adds to the source's attention, by their names in the module."""
-    return {name: getattr(attention, name).detach().clone() for name in
-            ("feature_q", "feature_q_bias", "feature_k", "feature_k_bias", "linear_scale")}
+    return {name: getattr(attention, name).detach().clone() for name in added_names(attention)}
 
 
 def transfer_layer(attention: HybridLinearAttention, x: torch.Tensor, position_embeddings, target: torch.Tensor,

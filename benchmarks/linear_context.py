@@ -85,6 +85,7 @@ def main() -> None:
     record_start()
 
     contexts = numbers(args.contexts)
+    args.scored = min(args.scored, min(contexts) - 1)  # a window's first token is context only
     source = resolve_source(args.model)
     tokenizer = load_tokenizer(source)
     rows = []

@@ -3,7 +3,7 @@ grow with the context.
 
 Per layer the source's projections stay; softmax attention is kept over the last ``window`` keys, and every
 older key is reached through learned Hedgehog feature maps (Zhang et al. ICLR 2024), phi(q) . phi(k) in place
-of exp(q . k / sqrt(d)), so their keys and values fold into a state of 2F x (d + 1) values per KV head. The
+of exp(q . k / sqrt(d)), so their keys and values fold into a state of 2F x (d + 2) values per KV head. The
 feature maps are fitted layer by layer to the softmax attention's output on calibration windows ("attention
 transfer"), then ``heal`` can train the whole attention. The package: ``transfer`` (the fit) and ``method``
 (settings, plan, the operation and its report); the runtime is ``HybridLinearAttention`` in

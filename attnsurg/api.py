@@ -63,7 +63,7 @@ def convert(model: str, output: str | Path, *, to: str = "mla", calibration: Cal
             eval_domains: list[str] | tuple[str, ...] = EVAL_DOMAINS, seed: int = 0, overwrite: bool = False,
             device: str = "auto", dry_run: bool = False, **settings):
     """``attnsurg convert MODEL --to mla`` (or ``linear``); ``settings`` are the target's settings fields
-    (``MLASettings``: ``kv_budget=0.5``, ``format="exact"``, ...; ``LinearSettings``: ``window=64``, ...).
+    (``MLASettings``: ``kv_budget=0.5``, ``format="exact"``, ...; ``LinearSettings``: ``window=128``, ...).
     Returns the method's report (``ConvertReport``, ``LinearReport``)."""
     from attnsurg.methods.base import convert_target_names, settings_for_target
 

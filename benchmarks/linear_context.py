@@ -2,14 +2,15 @@
 scored with 1K, 4K or 8K tokens of context before them.
 
     python benchmarks/linear_context.py CHECKPOINT [CHECKPOINT ...] [--model smollm2-135m]
-        [--contexts 1024,4096,8192] [--scored 512] [--spans 2] [--decays 0.003] [--name NAME]
+        [--contexts 1024,4096,8192] [--scored 512] [--spans 2] [--decays 0.003] [--reference RESULT] [--name NAME]
 
 For each domain, SPANS stretches of SCORED tokens of its eval part (the ones ending at 8192, 16384, ...) are
 scored with CONTEXT tokens in front (the scored ones included), so a column compares the same tokens. Rows:
 the original (MODEL); the trivial baseline of the first checkpoint's window and sinks with every older key
 dropped (benchmarks/window_sinks.py's); each checkpoint as written; and with ``--decays``, each checkpoint
 with its linear part faded by exp(-delta (i - j)) at every delta given (for checkpoints converted without a
-decay). The perplexity ratios are to the original at the same context. Where the linear part helps, a row
+decay). ``--reference`` takes the original's and the baseline's rows from an earlier result of the same
+model and settings instead of scoring them again. The perplexity ratios are to the original at the same context. Where the linear part helps, a row
 falls below the baseline's as the context grows; where it is over-weighted, it rises. Writes
 benchmarks/results/linear_context-NAME.json.
 """
@@ -17,6 +18,7 @@ benchmarks/results/linear_context-NAME.json.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -72,6 +74,27 @@ def row(name: str, scores: dict, original: dict) -> dict:
     return {"name": name, "ppl": scores, "ratios": ratios, "worst": worst}
 
 
+def reference_scored(args, source, tokenizer, contexts: list[int]) -> list[dict]:
+    """The original's row, and the baseline's at the first checkpoint's window and sinks."""
+    model = load_model(source, torch.float32)
+    original = domain_scores(model, tokenizer, contexts, args.scored, args.spans)
+    first = load_model(resolve_source(args.checkpoints[0]), torch.float32).config.attnsurg["linear"]
+    AttentionInterface.register(KERNEL, window_and_sinks(int(first["window"]), int(first.get("sinks", 0))))
+    model.set_attn_implementation(KERNEL)
+    baseline = f"window {first['window']} + {first.get('sinks', 0)} sinks, older keys dropped"
+    scores = domain_scores(model, tokenizer, contexts, args.scored, args.spans)
+    return [row("original", original, original), row(baseline, scores, original)]
+
+
+def reference_rows(args) -> list[dict]:
+    """The first two rows of an earlier result scored the same way, their contexts as integers again."""
+    earlier = json.loads(args.reference.read_text())
+    same = ("model", "contexts", "scored", "spans")
+    if any(earlier["settings"][key] != getattr(args, key) for key in same):
+        raise SystemExit(f"--reference: {args.reference} was scored with other {', '.join(same)}")
+    return [{**r, "ppl": {int(c): v for c, v in r["ppl"].items()}} for r in earlier["rows"][:2]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="+")
@@ -80,6 +103,7 @@ def main() -> None:
     parser.add_argument("--scored", type=int, default=512, help="tokens scored per span")
     parser.add_argument("--spans", type=int, default=2, help="spans scored per domain")
     parser.add_argument("--decays", default="", help="decays per token to fade the linear part by, comma-separated")
+    parser.add_argument("--reference", type=Path, default=None, help="an earlier result to take the original from")
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
     record_start()
@@ -88,16 +112,9 @@ def main() -> None:
     args.scored = min(args.scored, min(contexts) - 1)  # a window's first token is context only
     source = resolve_source(args.model)
     tokenizer = load_tokenizer(source)
-    rows = []
     with torch.no_grad():
-        model = load_model(source, torch.float32)
-        original = domain_scores(model, tokenizer, contexts, args.scored, args.spans)
-        rows.append(row("original", original, original))
-        first = load_model(resolve_source(args.checkpoints[0]), torch.float32).config.attnsurg["linear"]
-        AttentionInterface.register(KERNEL, window_and_sinks(int(first["window"]), int(first.get("sinks", 0))))
-        model.set_attn_implementation(KERNEL)
-        baseline = f"window {first['window']} + {first.get('sinks', 0)} sinks, older keys dropped"
-        rows.append(row(baseline, domain_scores(model, tokenizer, contexts, args.scored, args.spans), original))
+        rows = reference_rows(args) if args.reference else reference_scored(args, source, tokenizer, contexts)
+        original = rows[0]["ppl"]
         for checkpoint in args.checkpoints:
             model = load_model(resolve_source(checkpoint), torch.float32)
             name = Path(checkpoint).name
@@ -107,7 +124,8 @@ def main() -> None:
                 scores = domain_scores(model, tokenizer, contexts, args.scored, args.spans)
                 rows.append(row(f"{name}, decay {decay:g}", scores, original))
     name = args.name or "-".join(Path(c).name for c in args.checkpoints)
-    write_result(f"linear_context-{name}", {"settings": vars(args), "rows": rows})
+    settings = {**vars(args), "reference": str(args.reference) if args.reference else None}
+    write_result(f"linear_context-{name}", {"settings": settings, "rows": rows})
 
 
 if __name__ == "__main__":

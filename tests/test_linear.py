@@ -41,19 +41,21 @@ def test_a_window_as_long_as_the_context_reproduces_the_logits(family, feature_m
     assert logit_error(linear, model, held_out()) < 1e-4
 
 
-@pytest.mark.parametrize("family,batch,sinks,feature_map,decay", [
-    ("llama", 1, 4, "hedgehog", False), ("llama", 2, 4, "hedgehog", False), ("llama", 1, 0, "hedgehog", False),
-    ("llama", 2, 4, "performer", False), ("qwen2", 1, 4, "performer", False), ("llama", 2, 4, "hedgehog", True),
-    ("qwen2", 1, 0, "performer", True),
+@pytest.mark.parametrize("family,batch,sinks,feature_map,decay,before_rope", [
+    ("llama", 1, 4, "hedgehog", False, False), ("llama", 2, 4, "hedgehog", False, False),
+    ("llama", 1, 0, "hedgehog", False, False), ("llama", 2, 4, "performer", False, False),
+    ("qwen2", 1, 4, "performer", False, False), ("llama", 2, 4, "hedgehog", True, False),
+    ("qwen2", 1, 0, "performer", True, False), ("llama", 2, 4, "hedgehog", True, True),
 ])
-def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, family, batch, sinks, feature_map, decay):
+def test_decoding_token_by_token_equals_the_parallel_form(monkeypatch, family, batch, sinks, feature_map, decay,
+                                                          before_rope):
     model = build_tiny(family, VOCAB, num_key_value_heads=2)
     if family == "qwen2":  # key biases as large as Qwen2's, which put every key far from the origin
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.k_proj.bias.normal_(0, 30.0, generator=torch.Generator().manual_seed(0))
     linear, _ = converted(model, family, window=6, sinks=sinks, feature_map=feature_map, transfer_steps=5,
-                          decay=decay)
+                          decay=decay, features_before_rope=before_rope)
     if decay:  # fast enough to matter over 40 tokens, and different per KV head
         with torch.no_grad():
             for layer in linear.model.layers:
@@ -151,6 +153,17 @@ def test_a_performer_conversion_trains_nothing_and_shares_each_kv_heads_features
     assert torch.equal(attention.feature_q, attention.feature_k.repeat_interleave(2, dim=0))
 
 
+def test_features_read_before_rope_see_no_position():
+    """Shifting every position leaves such a hybrid's logits as they are, as it leaves softmax attention's."""
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    linear, _ = converted(model, "llama", window=6, transfer_steps=5, features_before_rope=True)
+    ids = held_out()[:1, :40]
+    with torch.no_grad():
+        logits = [linear(ids, position_ids=torch.arange(40)[None] + offset, use_cache=False).logits
+                  for offset in (0, 3000)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
+
+
 def test_generate_decodes_what_recomputing_every_prefix_gives():
     model = build_tiny("qwen2", VOCAB, num_key_value_heads=2)
     linear, _ = converted(model, "qwen2", window=5, transfer_steps=5)
@@ -198,7 +211,8 @@ def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_fil
     assert record["plan"]["window"] == 8 and len(record["layer_errors"]) == 2
     assert record["layer_errors"][0]["after"] < record["layer_errors"][0]["before"]
     assert json.loads((out / "config.json").read_text())["attnsurg"]["linear"] == {"window": 8, "feature_dim": 16, "sinks": 4,
-                                                                                 "feature_map": "hedgehog", "decay": True}
+                                                                                 "feature_map": "hedgehog", "decay": True,
+                                                                                 "features_before_rope": False}
     reloaded = load_model(resolve_source(str(out)))
     assert isinstance(reloaded.model.layers[0].self_attn, modeling_attnsurg.HybridLinearAttention)
     assert 0 < reloaded.model.layers[0].self_attn.decay().min() < 1

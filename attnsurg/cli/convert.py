@@ -48,11 +48,11 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
     "refine_steps": "--refine-steps", "refine_tokens": "--refine-tokens", "refine_lr": "--refine-lr",
     "refine_schedule": "--refine-schedule", "short_prompts": "--short-prompts", "stream": "--stream/--no-stream",
     "window": "--window", "sinks": "--sinks", "feature_map": "--feature-map", "feature_dim": "--feature-dim", "transfer_steps": "--transfer-steps",
-    "transfer_lr": "--transfer-lr", "decay": "--decay/--no-decay",
+    "transfer_lr": "--transfer-lr", "decay": "--decay/--no-decay", "features_before_rope": "--features-before-rope",
 }
 # Hidden from --help so it fits one screen (docs/mla.md and docs/linear.md describe them): --weighted,
 # --token-weights and --refine-schedule, measured no better than their defaults on either real model, and
-# --transfer-lr, --sinks, --feature-map (performer: the data-free baseline) and --decay.
+# --transfer-lr, --sinks, --feature-map (performer: the data-free baseline), --decay and --features-before-rope.
 
 
 @app.command(epilog=examples(
@@ -147,6 +147,8 @@ def convert(
                                                hidden=True, rich_help_panel=PLAN)] = LINEAR.transfer_lr,
     decay: Annotated[bool, typer.Option("--decay/--no-decay", help="The linear part fades with distance (learned).",
                                         hidden=True)] = LINEAR.decay,
+    features_before_rope: Annotated[bool, typer.Option("--features-before-rope", help="Feature maps read q, k before RoPE.",
+                                                       hidden=True)] = LINEAR.features_before_rope,
     eval_tokens: EvalTokens = Evaluation().tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     dry_run: DryRun = False,

@@ -615,6 +615,8 @@ class LinearStateLayer(DynamicSlidingWindowLayer):
 
     def __init__(self, window: int) -> None:
         super().__init__(sliding_window=window + 1)
+        self.window = window
+        self.feature_keys: torch.Tensor | None = None  # the window's keys before RoPE, where the maps read those
         self.state: torch.Tensor | None = None
         self.normalizer: torch.Tensor | None = None
         self.shift: torch.Tensor | None = None
@@ -636,6 +638,13 @@ class LinearStateLayer(DynamicSlidingWindowLayer):
         held = torch.arange(self.sink_keys.shape[2], device=keys.device)
         return (torch.cat([self.sink_keys, keys], dim=2), torch.cat([self.sink_values, values], dim=2),
                 torch.cat([held, positions]))
+
+    def window_feature_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """The window's keys as the feature maps read them, then ``keys`` (as :meth:`update` returns the
+        cached ones); the last ``window`` are kept."""
+        every = keys if self.feature_keys is None else torch.cat([self.feature_keys, keys], dim=2)
+        self.feature_keys = every[:, :, -self.window :]
+        return every
 
     def fold(self, log_features: torch.Tensor, values: torch.Tensor, first: int, decay: torch.Tensor) -> None:
         """Add keys older than the window (their log features [B, G, n, 2F], the first at position ``first``)
@@ -733,15 +742,15 @@ def hybrid_attention(
     return numerator / denominator
 
 
-def retire(layer: LinearStateLayer, keys: torch.Tensor, values: torch.Tensor, first: int, sinks: int,
-           key_features: Callable[[torch.Tensor], torch.Tensor], decay: torch.Tensor) -> None:
+def retire(layer: LinearStateLayer, keys: torch.Tensor, values: torch.Tensor, feature_keys: torch.Tensor,
+           first: int, sinks: int, key_features: Callable[[torch.Tensor], torch.Tensor], decay: torch.Tensor) -> None:
     """Keys leaving the window (the first at position ``first``): sinks are kept as they are, the others
-    fold into the state through their features."""
+    fold into the state through the features of ``feature_keys`` (the same keys as the maps read them)."""
     kept = min(max(sinks - first, 0), keys.shape[2])
     if kept:
         layer.keep_sinks(keys[:, :, :kept], values[:, :, :kept])
     if kept < keys.shape[2]:
-        layer.fold(key_features(keys[:, :, kept:]), values[:, :, kept:], first + kept, decay)
+        layer.fold(key_features(feature_keys[:, :, kept:]), values[:, :, kept:], first + kept, decay)
 
 
 class HybridLinearAttention(AttentionBase):
@@ -749,19 +758,23 @@ class HybridLinearAttention(AttentionBase):
     of the sequence, and a linear attention over every other older key (LoLCATs, Zhang et al. 2024) through
     feature maps (per query head ``feature_q``, per KV head ``feature_k``): learned Hedgehog maps, or
     Performer's random features (``feature_map="performer"``, the biases unused); with ``decay``, older keys
-    fade by exp(-delta_g) per token, delta_g = exp(``log_decay``_g) per KV head. Decode
+    fade by exp(-delta_g) per token, delta_g = exp(``log_decay``_g) per KV head. The maps read the queries and
+    keys after RoPE, or before it (``features_before_rope``: the linear part then sees no position, and
+    scores keys at positions it was never fitted at as it scores the others). Decode
     costs the same at any context length: the cache (:class:`LinearStateLayer`) holds the window, the sinks
     and a fixed-size state, and new tokens are taken LINEAR_CHUNK at a time, so a prompt's cost grows
     linearly with its length."""
 
     def __init__(self, config, layer_idx: int, q_proj, k_proj, v_proj, o_proj, window: int, feature_dim: int,
-                 sinks: int = 0, feature_map: str = "hedgehog", decay: bool = False):
+                 sinks: int = 0, feature_map: str = "hedgehog", decay: bool = False,
+                 features_before_rope: bool = False):
         super().__init__(config, layer_idx)
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"unknown feature map {feature_map!r}; attnsurg knows {', '.join(FEATURE_MAPS)}")
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.window, self.feature_dim, self.sinks, self.feature_map = window, feature_dim, sinks, feature_map
         self.anchored = feature_map == "performer"  # its features' products estimate exp(s) (see hybrid_attention)
+        self.features_before_rope = features_before_rope
         heads, d = config.num_attention_heads, self.head_dim
         self.feature_q = nn.Parameter(torch.zeros(heads, d, feature_dim))
         self.feature_q_bias = nn.Parameter(torch.zeros(heads, feature_dim))
@@ -777,7 +790,8 @@ class HybridLinearAttention(AttentionBase):
         return self.log_decay.float().exp()
 
     def rotated(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """Queries [B, H, T, d], keys and values [B, G, T, d], as the family's attention forms them."""
+        """Queries [B, H, T, d], keys and values [B, G, T, d], as the family's attention forms them, then the
+        queries and keys the feature maps read (before RoPE with ``features_before_rope``)."""
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
@@ -785,7 +799,10 @@ class HybridLinearAttention(AttentionBase):
         value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         query, key = self.normed(query, key)
         cos, sin = position_embeddings
-        return apply_rope(query, cos, sin), apply_rope(key, cos, sin), value
+        rotated_query, rotated_key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        if self.features_before_rope:
+            return rotated_query, rotated_key, value, query, key
+        return rotated_query, rotated_key, value, rotated_query, rotated_key
 
     def query_features(self, query: torch.Tensor) -> torch.Tensor:
         """log phi(q) [B, H, T, 2F]."""
@@ -806,41 +823,48 @@ class HybridLinearAttention(AttentionBase):
         if mask is not None and not bool(mask[..., -1, :].all()):
             raise ValueError("attnsurg's linear attention does not take padded batches; run one sequence at a time")
         batch, length, _ = hidden_states.shape
-        query, key, value = self.rotated(hidden_states, position_embeddings)
+        inputs = self.rotated(hidden_states, position_embeddings)
         layer = linear_cache_layer(cache if cache is not None else DynamicCache(), self.layer_idx, self.window)
         outputs = []
         for start in range(0, length, LINEAR_CHUNK):
             chunk = slice(start, min(start + LINEAR_CHUNK, length))
-            outputs.append(self.chunk_step(layer, query[:, :, chunk], key[:, :, chunk], value[:, :, chunk]))
+            outputs.append(self.chunk_step(layer, *(t[:, :, chunk] for t in inputs)))
         output = torch.cat(outputs, dim=2).to(hidden_states.dtype)
         return self.o_proj(output.transpose(1, 2).reshape(batch, length, -1)), None
 
-    def chunk_step(self, layer: LinearStateLayer, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor) -> torch.Tensor:
+    def chunk_step(self, layer: LinearStateLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   feature_query: torch.Tensor, feature_key: torch.Tensor) -> torch.Tensor:
         """New tokens against the sinks, the window before them and the state; keys that leave the window
         join the sinks or the state."""
         keys, values = layer.update(key, value)  # the window before these tokens, then these tokens
+        feature_keys = layer.window_feature_keys(feature_key) if self.features_before_rope else keys
         first = layer.cumulative_length - keys.shape[2]  # the position of keys[:, :, 0]
         if query.shape[2] == 1:
-            return self.decode_step(layer, query, keys, values, first)
+            return self.decode_step(layer, query, keys, values, feature_query, feature_keys, first)
         every_key, every_value, positions = layer.with_sinks(keys, values, first)
+        key_features = self.key_features(feature_keys)
+        held = every_key.shape[2] - keys.shape[2]  # sinks: exact only, their features never read
+        key_features = torch.cat([key_features.new_full((*key_features.shape[:2], held, key_features.shape[3]),
+                                                        float("-inf")), key_features], dim=2)
         decay = self.decay()
-        output = hybrid_attention(query, every_key, every_value, self.query_features(query),
-                                  self.key_features(every_key), self.window, self.scaling, self.linear_scale,
-                                  layer, self.sinks, positions, self.anchored, decay)
+        output = hybrid_attention(query, every_key, every_value, self.query_features(feature_query), key_features,
+                                  self.window, self.scaling, self.linear_scale, layer, self.sinks, positions,
+                                  self.anchored, decay)
         leaving = keys.shape[2] - self.window
         if leaving > 0:
-            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features, decay)
+            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], feature_keys[:, :, :leaving], first,
+                   self.sinks, self.key_features, decay)
         return output
 
-    def decode_step(self, layer: LinearStateLayer, query: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, first: int) -> torch.Tensor:
+    def decode_step(self, layer: LinearStateLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    feature_query: torch.Tensor, feature_keys: torch.Tensor, first: int) -> torch.Tensor:
         """One new token: the key leaving the window joins the sinks or the state first (it is no longer in
         the window for this query), then softmax over the sinks and the window and the state under one
         normalisation (shifted as in hybrid_attention), each KV head's query heads together."""
         leaving, decay = keys.shape[2] - self.window, self.decay()
         if leaving > 0:
-            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], first, self.sinks, self.key_features, decay)
+            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], feature_keys[:, :, :leaving], first,
+                   self.sinks, self.key_features, decay)
             keys, values = keys[:, :, leaving:], values[:, :, leaving:]
         if layer.sink_keys is not None:
             keys, values = torch.cat([layer.sink_keys, keys], dim=2), torch.cat([layer.sink_values, values], dim=2)
@@ -854,7 +878,7 @@ class HybridLinearAttention(AttentionBase):
             exact = torch.exp(scores - largest)
             return (exact @ values.float() / exact.sum(-1, keepdim=True)).reshape(batch, heads, 1, d)
         position = layer.cumulative_length - 1  # this token's
-        log_q = (self.query_features(query).reshape(*rows, -1) + layer.shift_at(position, decay)[:, :, None]
+        log_q = (self.query_features(feature_query).reshape(*rows, -1) + layer.shift_at(position, decay)[:, :, None]
                  + self.linear_scale.float().reshape(1, *rows[1:], 1))
         log_q = log_q - largest if self.anchored else log_q
         top = log_q.amax(-1, keepdim=True).clamp(min=0.0)
@@ -897,7 +921,8 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
             layer.self_attn = HybridLinearAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
                                                     int(linear["window"]), int(linear["feature_dim"]),
                                                     int(linear.get("sinks", 0)), linear.get("feature_map", "hedgehog"),
-                                                    bool(linear.get("decay", False)))
+                                                    bool(linear.get("decay", False)),
+                                                    bool(linear.get("features_before_rope", False)))
     for index, spec in (surgery.get("stacked_tucker") or {}).items():
         layer = layers[int(index)]
         old = layer.self_attn

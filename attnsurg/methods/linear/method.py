@@ -58,6 +58,7 @@ class LinearSettings(ConvertSettings):
     transfer_steps: int | None = Field(None, ge=0)
     transfer_lr: float = Field(1e-2, gt=0)
     decay: bool = False
+    features_before_rope: bool = False
 
     @property
     def steps(self) -> int:
@@ -76,21 +77,24 @@ class LinearPlan:
     sinks: int = 0
     feature_map: str = "hedgehog"
     decay: bool = False
+    features_before_rope: bool = False
 
     @property
     def shape(self) -> HybridShape:
-        return HybridShape(self.window, self.feature_dim, self.sinks, self.feature_map, self.decay)
+        return HybridShape(self.window, self.feature_dim, self.sinks, self.feature_map, self.decay,
+                           self.features_before_rope)
 
     def surgery(self) -> dict:
         return {"format": 1, "method": NAME, "linear": {"window": self.window, "feature_dim": self.feature_dim,
                                                         "sinks": self.sinks, "feature_map": self.feature_map,
-                                                        "decay": self.decay}}
+                                                        "decay": self.decay,
+                                                        "features_before_rope": self.features_before_rope}}
 
     def state_values(self, context: int) -> int:
         """Cached values per layer at ``context`` tokens: the window's and the sinks' keys and values and the
         state S, z."""
         return linear_cache_values(self.num_kv_heads, self.head_dim, self.window, self.feature_dim, context,
-                                   self.sinks)
+                                   self.sinks, self.features_before_rope)
 
     def original_values(self, context: int) -> int:
         return 2 * self.num_kv_heads * self.head_dim * context
@@ -106,7 +110,7 @@ def plan_linear(anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPl
         raise UserError(f"cannot convert this model to linear attention: {reason}")
     return LinearPlan(settings.window, settings.feature_dim or anatomy.head_dim, anatomy.num_layers,
                       anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks, settings.feature_map,
-                      settings.decay)
+                      settings.decay, settings.features_before_rope)
 
 
 @dataclass
@@ -130,7 +134,7 @@ def held_out_windows(count: int) -> int:
 
 
 def feature_map_text(plan: LinearPlan) -> str:
-    decay = ", decaying with distance" if plan.decay else ""
+    decay = (", decaying with distance" if plan.decay else "") + (", read before RoPE" if plan.features_before_rope else "")
     if plan.feature_map == "performer":
         return f"Performer random features (FAVOR+, orthogonal) of 2 x {plan.feature_dim}{decay}"
     return f"Hedgehog feature maps of 2 x {plan.feature_dim}{decay}"
@@ -224,6 +228,7 @@ class Linear(SurgeryMethod):
         plan = report.plan
         return {"plan": {"window": plan.window, "feature_dim": plan.feature_dim, "sinks": plan.sinks,
                          "feature_map": plan.feature_map, "decay": plan.decay,
+                         "features_before_rope": plan.features_before_rope,
                          "state_values_per_layer": plan.state_values(STATE_CONTEXT),
                          "original_values_per_layer": plan.original_values(STATE_CONTEXT),
                          "context": STATE_CONTEXT, "added_parameters_per_layer": plan.added_parameters()},

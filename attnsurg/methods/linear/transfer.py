@@ -34,13 +34,15 @@ class Transfer:
 
 class HybridShape(NamedTuple):
     """What a hybrid attention keeps exact (the last ``window`` keys and the first ``sinks``), its feature map,
-    the width of each half of it, and whether its linear part decays with distance."""
+    the width of each half of it, whether its linear part decays with distance and whether the maps read
+    queries and keys before RoPE."""
 
     window: int
     feature_dim: int
     sinks: int = 0
     feature_map: str = "hedgehog"
     decay: bool = False
+    features_before_rope: bool = False
 
 
 class TransferError(NamedTuple):
@@ -77,10 +79,11 @@ def initialised(attention: HybridLinearAttention, generator: torch.Generator | N
     return attention
 
 
-def hybrid_output(attention: HybridLinearAttention, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor) -> torch.Tensor:
+def hybrid_output(attention: HybridLinearAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  feature_query: torch.Tensor, feature_key: torch.Tensor) -> torch.Tensor:
     """The hybrid attention's output [n, L, D] on whole windows (queries over every position, no cache)."""
-    heads = hybrid_attention(query, key, value, attention.query_features(query), attention.key_features(key),
+    heads = hybrid_attention(query, key, value, attention.query_features(feature_query),
+                             attention.key_features(feature_key),
                              attention.window, attention.scaling, attention.linear_scale, sinks=attention.sinks,
                              anchored=attention.anchored, decay=attention.decay())
     return attention.o_proj(heads.transpose(1, 2).flatten(2))
@@ -108,10 +111,10 @@ def transfer_layer(attention: HybridLinearAttention, x: torch.Tensor, position_e
     for HELD_OUT_PATIENCE checks; without them, the last step's weights are kept."""
     train = len(x) - held_out
     with torch.no_grad():
-        query, key, value = attention.rotated(x, position_embeddings)
+        inputs = attention.rotated(x, position_embeddings)
 
     def error(windows: slice) -> torch.Tensor:
-        output = hybrid_output(attention, query[windows], key[windows], value[windows])
+        output = hybrid_output(attention, *(t[windows] for t in inputs))
         return (output - target[windows]).pow(2).sum() / target[windows].pow(2).sum()
 
     @torch.no_grad()

@@ -91,8 +91,8 @@ class LinearPlan:
                                                         "features_before_rope": self.features_before_rope}}
 
     def state_values(self, context: int) -> int:
-        """Cached values per layer at ``context`` tokens: the window's and the sinks' keys and values and the
-        state S, z."""
+        """Cached values per layer at ``context`` tokens: the window's and the sinks' keys and values, the
+        state S, z and its shift (and the window's keys before RoPE where the maps read those)."""
         return linear_cache_values(self.num_kv_heads, self.head_dim, self.window, self.feature_dim, context,
                                    self.sinks, self.features_before_rope)
 
@@ -134,10 +134,11 @@ def held_out_windows(count: int) -> int:
 
 
 def feature_map_text(plan: LinearPlan) -> str:
-    decay = (", decaying with distance" if plan.decay else "") + (", read before RoPE" if plan.features_before_rope else "")
+    qualifiers = ((", decaying with distance" if plan.decay else "")
+                  + (", read before RoPE" if plan.features_before_rope else ""))
     if plan.feature_map == "performer":
-        return f"Performer random features (FAVOR+, orthogonal) of 2 x {plan.feature_dim}{decay}"
-    return f"Hedgehog feature maps of 2 x {plan.feature_dim}{decay}"
+        return f"Performer random features (FAVOR+, orthogonal) of 2 x {plan.feature_dim}{qualifiers}"
+    return f"Hedgehog feature maps of 2 x {plan.feature_dim}{qualifiers}"
 
 
 def feature_names(family, index: int) -> str:

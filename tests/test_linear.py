@@ -170,9 +170,10 @@ def test_generate_decodes_what_recomputing_every_prefix_gives():
     assert greedy_decode_matches_recomputation(linear, held_out()[:1, :12], 20)
 
 
-def test_the_cache_does_not_grow_with_the_context():
+@pytest.mark.parametrize("before_rope", [False, True])
+def test_the_cache_does_not_grow_with_the_context(before_rope):
     model = build_tiny("llama", VOCAB, num_key_value_heads=2)
-    linear, report = converted(model, "llama", window=4, transfer_steps=0)
+    linear, report = converted(model, "llama", window=4, transfer_steps=0, features_before_rope=before_rope)
     cache, sizes = DynamicCache(), []
     with torch.no_grad():
         linear(held_out()[:1, :8], cache=cache)

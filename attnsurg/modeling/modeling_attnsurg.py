@@ -688,6 +688,17 @@ def linear_cache_layer(cache, layer_idx: int, window: int) -> LinearStateLayer:
     return cache.layers[layer_idx]
 
 
+def shifted_weights(scores: torch.Tensor, log_q: torch.Tensor, anchored: bool) -> tuple[torch.Tensor, ...]:
+    """The exact part's weights exp(s - m - top) ([..., S], masked scores in) and the query features
+    exp(log_q - top) that weigh the linear part (``log_q`` [..., 2F], already carrying the keys' shift), under
+    one shift per query, top = max(0, largest log_q), so neither over- or underflows; with ``anchored`` the
+    features are first put on the exact part's scale, exp(-m)."""
+    largest = scores.amax(-1, keepdim=True)
+    log_q = log_q - largest if anchored else log_q
+    top = log_q.detach().amax(-1, keepdim=True).clamp(min=0.0)  # the exact part's largest weight is exp(0)
+    return torch.exp(scores - largest - top), torch.exp(log_q - top)
+
+
 def hybrid_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_features: torch.Tensor,
     key_features: torch.Tensor, window: int, scaling: float, linear_scale: torch.Tensor,
@@ -718,7 +729,6 @@ def hybrid_attention(
     exact_keys = (distance >= 0) & ((distance < window) | sink)
     linear_keys = (distance >= window) & ~sink
     scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~exact_keys, float("-inf"))
-    largest = scores.amax(-1, keepdim=True)
     last = int(positions[-1])  # the decay is taken from here: every offset is <= 0
     log_k = key_features + (decay[:, None] * (positions - last))[None, :, :, None]
     log_k = log_k.masked_fill(~linear_keys.any(0)[None, None, :, None], float("-inf"))
@@ -730,9 +740,7 @@ def hybrid_attention(
     query_decay = repeat_heads(decay[None, :, None], groups)[0] * (last - positions[-length:])  # [H, T]
     log_q = (query_features + repeat_heads(shift, groups)[:, :, None]
              + (linear_scale.float()[:, None] + query_decay)[None, :, :, None])
-    log_q = log_q - largest if anchored else log_q
-    top = log_q.detach().amax(-1, keepdim=True).clamp(min=0.0)  # the exact part's largest weight is exp(0)
-    exact, f_q = torch.exp(scores - largest - top), torch.exp(log_q - top)
+    exact, f_q = shifted_weights(scores, log_q, anchored)
     weights = exact + (f_q @ f_k.transpose(-1, -2)).masked_fill(~linear_keys, 0.0)
     numerator, denominator = weights @ v, weights.sum(-1, keepdim=True)
     if layer is not None and layer.state is not None:
@@ -873,16 +881,13 @@ class HybridLinearAttention(AttentionBase):
         rows = (batch, kv_heads, heads // kv_heads)  # a KV head's query heads as the rows of one product
         q = query.float().reshape(*rows, d)
         scores = q @ keys.float().transpose(-1, -2) * self.scaling
-        largest = scores.amax(-1, keepdim=True)
         if layer.state is None:
-            exact = torch.exp(scores - largest)
-            return (exact @ values.float() / exact.sum(-1, keepdim=True)).reshape(batch, heads, 1, d)
+            exact = torch.softmax(scores, dim=-1)
+            return (exact @ values.float()).reshape(batch, heads, 1, d)
         position = layer.cumulative_length - 1  # this token's
         log_q = (self.query_features(feature_query).reshape(*rows, -1) + layer.shift_at(position, decay)[:, :, None]
                  + self.linear_scale.float().reshape(1, *rows[1:], 1))
-        log_q = log_q - largest if self.anchored else log_q
-        top = log_q.amax(-1, keepdim=True).clamp(min=0.0)
-        exact, features = torch.exp(scores - largest - top), torch.exp(log_q - top)
+        exact, features = shifted_weights(scores, log_q, self.anchored)
         numerator = exact @ values.float() + features @ layer.state
         denominator = exact.sum(-1, keepdim=True) + features @ layer.normalizer[..., None]
         return (numerator / denominator).reshape(batch, heads, 1, d)

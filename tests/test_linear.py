@@ -164,6 +164,19 @@ def test_features_read_before_rope_see_no_position():
     assert torch.allclose(logits[0], logits[1], atol=1e-4)
 
 
+@pytest.mark.parametrize("scale", [1.0, 1.3])  # 1.3: a RoPE variant that scales as it rotates (YaRN)
+def test_cached_keys_are_rotated_back_to_what_the_maps_read_before_rope(scale):
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    linear, _ = converted(model, "llama", window=6, transfer_steps=0, features_before_rope=True)
+    attention = linear.model.layers[0].self_attn
+    rotary = attention.rotary
+    attention.rotary = lambda x, positions: tuple(scale * t for t in rotary(x, positions))
+    keys = torch.randn(2, 2, 9, attention.head_dim, generator=torch.Generator().manual_seed(0))
+    cos, sin = attention.rotary(keys, torch.arange(100, 109)[None])
+    rotated = modeling_attnsurg.apply_rope(keys, cos, sin)
+    assert torch.allclose(attention.keys_read(rotated, 100), keys, atol=1e-5)
+
+
 def test_generate_decodes_what_recomputing_every_prefix_gives():
     model = build_tiny("qwen2", VOCAB, num_key_value_heads=2)
     linear, _ = converted(model, "qwen2", window=5, transfer_steps=5)

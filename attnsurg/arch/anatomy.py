@@ -67,8 +67,7 @@ class AttentionAnatomy:
         linear = self.surgery.get("linear")
         if linear:
             return self.num_layers * linear_cache_values(self.num_kv_heads, self.head_dim, int(linear["window"]),
-                                                         int(linear["feature_dim"]), context, int(linear.get("sinks", 0)),
-                                                         bool(linear.get("features_before_rope", False)))
+                                                         int(linear["feature_dim"]), context, int(linear.get("sinks", 0)))
         return self.kv_values_per_token * context
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,13 +79,12 @@ class AttentionAnatomy:
 
 
 def linear_cache_values(kv_heads: int, head_dim: int, window: int, feature_dim: int, context: int,
-                        sinks: int = 0, features_before_rope: bool = False) -> int:
+                        sinks: int = 0) -> int:
     """One hybrid linear layer's cache at ``context`` tokens: the window's and the sinks' keys and values, and
     the state S = sum phi(k) v^T and z = sum phi(k) of the other older keys with their shift (2F x (d + 2) per
-    KV head); with ``features_before_rope`` the window's keys also before RoPE."""
+    KV head)."""
     exact = min(context, window + sinks)
-    window_keys = kv_heads * head_dim * min(context, window) if features_before_rope else 0
-    return 2 * kv_heads * head_dim * exact + window_keys + kv_heads * 2 * feature_dim * (head_dim + 2)
+    return 2 * kv_heads * head_dim * exact + kv_heads * 2 * feature_dim * (head_dim + 2)
 
 
 def config_dtype(config: PretrainedConfig) -> str:

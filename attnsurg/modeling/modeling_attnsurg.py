@@ -616,7 +616,6 @@ class LinearStateLayer(DynamicSlidingWindowLayer):
     def __init__(self, window: int) -> None:
         super().__init__(sliding_window=window + 1)
         self.window = window
-        self.feature_keys: torch.Tensor | None = None  # the window's keys before RoPE, where the maps read those
         self.state: torch.Tensor | None = None
         self.normalizer: torch.Tensor | None = None
         self.shift: torch.Tensor | None = None
@@ -638,13 +637,6 @@ class LinearStateLayer(DynamicSlidingWindowLayer):
         held = torch.arange(self.sink_keys.shape[2], device=keys.device)
         return (torch.cat([self.sink_keys, keys], dim=2), torch.cat([self.sink_values, values], dim=2),
                 torch.cat([held, positions]))
-
-    def window_feature_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """The window's keys as the feature maps read them, then ``keys`` (as :meth:`update` returns the
-        cached ones); the last ``window`` are kept."""
-        every = keys if self.feature_keys is None else torch.cat([self.feature_keys, keys], dim=2)
-        self.feature_keys = every[:, :, -self.window :]
-        return every
 
     def fold(self, log_features: torch.Tensor, values: torch.Tensor, first: int, decay: torch.Tensor) -> None:
         """Add keys older than the window (their log features [B, G, n, 2F], the first at position ``first``)
@@ -791,6 +783,8 @@ class HybridLinearAttention(AttentionBase):
         self.linear_scale = nn.Parameter(torch.zeros(heads))  # log of the linear part's weight, per query head
         self.log_decay = nn.Parameter(torch.full((self.num_key_value_heads,), -math.inf)) if decay else None
 
+    rotary: Callable | None = None  # the model's rotary embedding, set by the model (not a submodule)
+
     def decay(self) -> torch.Tensor:
         """delta_g [G], the linear part's decay per token (0 without one)."""
         if self.log_decay is None:
@@ -811,6 +805,19 @@ class HybridLinearAttention(AttentionBase):
         if self.features_before_rope:
             return rotated_query, rotated_key, value, query, key
         return rotated_query, rotated_key, value, rotated_query, rotated_key
+
+    def keys_read(self, keys: torch.Tensor, first: int) -> torch.Tensor:
+        """Cached keys (the first at position ``first``) as the feature maps read them: with
+        ``features_before_rope`` rotated back, RoPE's rotation transposed and divided by its scale
+        (cos^2 + sin^2, 1 but where a RoPE variant scales it), so the cache need not hold them twice."""
+        if not self.features_before_rope or keys.shape[2] == 0:
+            return keys
+        if self.rotary is None:
+            raise ValueError("maps read before RoPE need the model's rotary embedding; load the checkpoint with "
+                             "attnsurg.load or its own modeling file")
+        positions = torch.arange(first, first + keys.shape[2], device=keys.device)[None]
+        cos, sin = (t.float() for t in self.rotary(keys, positions))
+        return apply_rope(keys.float(), cos, -sin) / (cos * cos + sin * sin).unsqueeze(1)
 
     def query_features(self, query: torch.Tensor) -> torch.Tensor:
         """log phi(q) [B, H, T, 2F]."""
@@ -845,10 +852,11 @@ class HybridLinearAttention(AttentionBase):
         """New tokens against the sinks, the window before them and the state; keys that leave the window
         join the sinks or the state."""
         keys, values = layer.update(key, value)  # the window before these tokens, then these tokens
-        feature_keys = layer.window_feature_keys(feature_key) if self.features_before_rope else keys
         first = layer.cumulative_length - keys.shape[2]  # the position of keys[:, :, 0]
         if query.shape[2] == 1:
-            return self.decode_step(layer, query, keys, values, feature_query, feature_keys, first)
+            return self.decode_step(layer, query, keys, values, feature_query, first)
+        held = keys.shape[2] - key.shape[2]
+        feature_keys = torch.cat([self.keys_read(keys[:, :, :held], first).float(), feature_key.float()], dim=2)
         every_key, every_value, positions = layer.with_sinks(keys, values, first)
         key_features = self.key_features(feature_keys)
         held = every_key.shape[2] - keys.shape[2]  # sinks: exact only, their features never read
@@ -865,14 +873,14 @@ class HybridLinearAttention(AttentionBase):
         return output
 
     def decode_step(self, layer: LinearStateLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    feature_query: torch.Tensor, feature_keys: torch.Tensor, first: int) -> torch.Tensor:
+                    feature_query: torch.Tensor, first: int) -> torch.Tensor:
         """One new token: the key leaving the window joins the sinks or the state first (it is no longer in
         the window for this query), then softmax over the sinks and the window and the state under one
         normalisation (shifted as in hybrid_attention), each KV head's query heads together."""
         leaving, decay = keys.shape[2] - self.window, self.decay()
         if leaving > 0:
-            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], feature_keys[:, :, :leaving], first,
-                   self.sinks, self.key_features, decay)
+            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], self.keys_read(keys[:, :, :leaving], first),
+                   first, self.sinks, self.key_features, decay)
             keys, values = keys[:, :, leaving:], values[:, :, leaving:]
         if layer.sink_keys is not None:
             keys, values = torch.cat([layer.sink_keys, keys], dim=2), torch.cat([layer.sink_values, values], dim=2)
@@ -962,9 +970,9 @@ def layer_rotary(rotary: nn.Module, config, layer_idx: int) -> Callable:
 
 
 def link_rotary(model: nn.Module) -> None:
-    """Give each rebuilt-KV attention its layer's rotary embedding without registering it twice."""
+    """Give each rebuilt-KV or hybrid linear attention its layer's rotary embedding without registering it twice."""
     for index, layer in enumerate(model.model.layers):
-        if isinstance(layer.self_attn, RebuiltKVAttention):
+        if isinstance(layer.self_attn, (RebuiltKVAttention, HybridLinearAttention)):
             object.__setattr__(layer.self_attn, "rotary", layer_rotary(model.model.rotary_emb, model.config, index))
 
 

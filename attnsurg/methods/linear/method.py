@@ -92,9 +92,9 @@ class LinearPlan:
 
     def state_values(self, context: int) -> int:
         """Cached values per layer at ``context`` tokens: the window's and the sinks' keys and values, the
-        state S, z and its shift (and the window's keys before RoPE where the maps read those)."""
+        state S, z and its shift."""
         return linear_cache_values(self.num_kv_heads, self.head_dim, self.window, self.feature_dim, context,
-                                   self.sinks, self.features_before_rope)
+                                   self.sinks)
 
     def original_values(self, context: int) -> int:
         return 2 * self.num_kv_heads * self.head_dim * context

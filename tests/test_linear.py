@@ -214,10 +214,20 @@ def test_attention_transfer_lowers_the_held_out_error_as_features_widen():
     assert held[0] > held[1] > held[2]
 
 
+@pytest.mark.parametrize("given,decays,before_rope", [
+    ({}, True, True), ({"feature_map": "performer"}, False, False),
+    ({"decay": False, "features_before_rope": False}, False, False),
+    ({"feature_map": "performer", "features_before_rope": True}, False, True),
+])
+def test_learned_maps_decay_and_read_before_rope_unless_told_otherwise(given, decays, before_rope):
+    settings = LinearSettings(**given)
+    assert (settings.decays, settings.reads_before_rope) == (decays, before_rope)
+
+
 def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_file, tmp_path):
     out = tmp_path / "linear"
     args = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "8", "--transfer-steps", "20",
-            "--decay", "--calib-text", str(corpus_file), "--calib-tokens", "1024", "--calib-seq-len", "64",
+            "--calib-text", str(corpus_file), "--calib-tokens", "1024", "--calib-seq-len", "64",
             "--eval-tokens", "256", "--eval-domains", "none", "-o", str(out), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -226,7 +236,7 @@ def test_cli_writes_a_checkpoint_that_reloads_equal(tiny_checkpoints, corpus_fil
     assert record["layer_errors"][0]["after"] < record["layer_errors"][0]["before"]
     assert json.loads((out / "config.json").read_text())["attnsurg"]["linear"] == {"window": 8, "feature_dim": 16, "sinks": 4,
                                                                                  "feature_map": "hedgehog", "decay": True,
-                                                                                 "features_before_rope": False}
+                                                                                 "features_before_rope": True}
     reloaded = load_model(resolve_source(str(out)))
     assert isinstance(reloaded.model.layers[0].self_attn, modeling_attnsurg.HybridLinearAttention)
     assert 0 < reloaded.model.layers[0].self_attn.decay().min() < 1

@@ -48,7 +48,7 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
     "refine_steps": "--refine-steps", "refine_tokens": "--refine-tokens", "refine_lr": "--refine-lr",
     "refine_schedule": "--refine-schedule", "short_prompts": "--short-prompts", "stream": "--stream/--no-stream",
     "window": "--window", "sinks": "--sinks", "feature_map": "--feature-map", "feature_dim": "--feature-dim", "transfer_steps": "--transfer-steps",
-    "transfer_lr": "--transfer-lr", "decay": "--decay/--no-decay", "features_before_rope": "--features-before-rope",
+    "transfer_lr": "--transfer-lr", "decay": "--decay/--no-decay", "features_before_rope": "--features-before-rope/--features-after-rope",
 }
 # Hidden from --help so it fits one screen (docs/mla.md and docs/linear.md describe them): --weighted,
 # --token-weights and --refine-schedule, measured no better than their defaults on either real model, and
@@ -145,9 +145,10 @@ def convert(
         rich_help_panel=PLAN)] = LINEAR.transfer_steps,
     transfer_lr: Annotated[float, typer.Option("--transfer-lr", help="Attention-transfer learning rate.",
                                                hidden=True, rich_help_panel=PLAN)] = LINEAR.transfer_lr,
-    decay: Annotated[bool, typer.Option("--decay/--no-decay", help="The linear part fades with distance (learned).",
-                                        hidden=True)] = LINEAR.decay,
-    features_before_rope: Annotated[bool, typer.Option("--features-before-rope", help="Feature maps read q, k before RoPE.",
+    decay: Annotated[Optional[bool], typer.Option("--decay/--no-decay", help="The linear part fades with distance (learned).",
+                                                  hidden=True)] = LINEAR.decay,
+    features_before_rope: Annotated[Optional[bool], typer.Option("--features-before-rope/--features-after-rope",
+                                                       help="Feature maps read q, k before RoPE (no position).",
                                                        hidden=True)] = LINEAR.features_before_rope,
     eval_tokens: EvalTokens = Evaluation().tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,

@@ -57,13 +57,25 @@ class LinearSettings(ConvertSettings):
     feature_dim: int | None = Field(None, ge=1)
     transfer_steps: int | None = Field(None, ge=0)
     transfer_lr: float = Field(1e-2, gt=0)
-    decay: bool = False
-    features_before_rope: bool = False
+    decay: bool | None = None  # None: with Hedgehog's maps (see ``decays``)
+    features_before_rope: bool | None = None  # None: with Hedgehog's maps (see ``reads_before_rope``)
 
     @property
     def steps(self) -> int:
         """Attention-transfer steps per layer: as set, or the feature map's default."""
         return TRANSFER_STEPS[self.feature_map] if self.transfer_steps is None else self.transfer_steps
+
+    @property
+    def decays(self) -> bool:
+        """Whether the linear part fades with distance: as set, or where the maps are learned (nothing would fit
+        a decay to Performer's data-free features)."""
+        return self.feature_map == "hedgehog" if self.decay is None else self.decay
+
+    @property
+    def reads_before_rope(self) -> bool:
+        """Whether the maps read queries and keys before RoPE: as set, or where the maps are learned (Performer's
+        features estimate exp(q . k) of the rotated ones, the scores themselves)."""
+        return self.feature_map == "hedgehog" if self.features_before_rope is None else self.features_before_rope
 
 
 @dataclass
@@ -110,7 +122,7 @@ def plan_linear(anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPl
         raise UserError(f"cannot convert this model to linear attention: {reason}")
     return LinearPlan(settings.window, settings.feature_dim or anatomy.head_dim, anatomy.num_layers,
                       anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks, settings.feature_map,
-                      settings.decay, settings.features_before_rope)
+                      settings.decays, settings.reads_before_rope)
 
 
 @dataclass

@@ -9,8 +9,9 @@ scored with CONTEXT tokens in front (the scored ones included), so a column comp
 the original (MODEL); the trivial baseline of the first checkpoint's window and sinks with every older key
 dropped (benchmarks/window_sinks.py's); each checkpoint as written; and with ``--decays``, each checkpoint
 with its linear part faded by exp(-delta (i - j)) at every delta given (for checkpoints converted without a
-decay). ``--reference`` takes the original's and the baseline's rows from an earlier result of the same
-model and settings instead of scoring them again. The perplexity ratios are to the original at the same context. Where the linear part helps, a row
+decay). ``--reference`` takes the original's row, and the baseline's where its window and sinks are the same,
+from an earlier result of the same model and settings instead of scoring them again. The perplexity ratios
+are to the original at the same context. Where the linear part helps, a row
 falls below the baseline's as the context grows; where it is over-weighted, it rises. Writes
 benchmarks/results/linear_context-NAME.json.
 """
@@ -28,7 +29,7 @@ from transformers import AttentionInterface
 from attnsurg.data import DOMAINS
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.eval.windows import Window
-from attnsurg.io.load import load_model, load_tokenizer, resolve_source
+from attnsurg.io.load import load_config, load_model, load_tokenizer, resolve_source
 from attnsurg.modeling.modeling_attnsurg import HybridLinearAttention
 from attnsurg.requests import TextData
 from common import record_start, write_result
@@ -74,25 +75,36 @@ def row(name: str, scores: dict, original: dict) -> dict:
     return {"name": name, "ppl": scores, "ratios": ratios, "worst": worst}
 
 
-def reference_scored(args, source, tokenizer, contexts: list[int]) -> list[dict]:
-    """The original's row, and the baseline's at the first checkpoint's window and sinks."""
-    model = load_model(source, torch.float32)
-    original = domain_scores(model, tokenizer, contexts, args.scored, args.spans)
-    first = load_model(resolve_source(args.checkpoints[0]), torch.float32).config.attnsurg["linear"]
-    AttentionInterface.register(KERNEL, window_and_sinks(int(first["window"]), int(first.get("sinks", 0))))
-    model.set_attn_implementation(KERNEL)
-    baseline = f"window {first['window']} + {first.get('sinks', 0)} sinks, older keys dropped"
-    scores = domain_scores(model, tokenizer, contexts, args.scored, args.spans)
-    return [row("original", original, original), row(baseline, scores, original)]
+def reference_rows(args, source, tokenizer, contexts: list[int]) -> list[dict]:
+    """The original's row, and the baseline's at the first checkpoint's window and sinks: each taken from
+    ``--reference`` where that scored it the same way, else scored here."""
+    earlier = {r["name"]: {**r, "ppl": {int(c): v for c, v in r["ppl"].items()}} for r in earlier_rows(args)}
+    first = load_config(resolve_source(args.checkpoints[0])).attnsurg["linear"]
+    window, sinks = int(first["window"]), int(first.get("sinks", 0))
+    rows, model = [], None
+    for name, attention in (("original", None),
+                            (f"window {window} + {sinks} sinks, older keys dropped", window_and_sinks(window, sinks))):
+        if name in earlier:
+            rows.append(earlier[name])
+            continue
+        model = model or load_model(source, torch.float32)
+        if attention is not None:
+            AttentionInterface.register(KERNEL, attention)
+            model.set_attn_implementation(KERNEL)
+        scores = domain_scores(model, tokenizer, contexts, args.scored, args.spans)
+        rows.append(row(name, scores, rows[0]["ppl"] if rows else scores))
+    return rows
 
 
-def reference_rows(args) -> list[dict]:
-    """The first two rows of an earlier result scored the same way, their contexts as integers again."""
+def earlier_rows(args) -> list[dict]:
+    """The rows of ``--reference`` (none without one), which must have been scored the same way."""
+    if args.reference is None:
+        return []
     earlier = json.loads(args.reference.read_text())
     same = ("model", "contexts", "scored", "spans")
     if any(earlier["settings"][key] != getattr(args, key) for key in same):
         raise SystemExit(f"--reference: {args.reference} was scored with other {', '.join(same)}")
-    return [{**r, "ppl": {int(c): v for c, v in r["ppl"].items()}} for r in earlier["rows"][:2]]
+    return earlier["rows"]
 
 
 def main() -> None:
@@ -103,7 +115,7 @@ def main() -> None:
     parser.add_argument("--scored", type=int, default=512, help="tokens scored per span")
     parser.add_argument("--spans", type=int, default=2, help="spans scored per domain")
     parser.add_argument("--decays", default="", help="decays per token to fade the linear part by, comma-separated")
-    parser.add_argument("--reference", type=Path, default=None, help="an earlier result to take the original from")
+    parser.add_argument("--reference", type=Path, default=None, help="an earlier result to take the original and the baseline from")
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
     record_start()
@@ -113,7 +125,7 @@ def main() -> None:
     source = resolve_source(args.model)
     tokenizer = load_tokenizer(source)
     with torch.no_grad():
-        rows = reference_rows(args) if args.reference else reference_scored(args, source, tokenizer, contexts)
+        rows = reference_rows(args, source, tokenizer, contexts)
         original = rows[0]["ppl"]
         for checkpoint in args.checkpoints:
             model = load_model(resolve_source(checkpoint), torch.float32)

@@ -51,7 +51,7 @@ class LinearSettings(ConvertSettings):
     ``transfer_steps`` asks for training."""
 
     to: Literal["linear"] = NAME
-    window: int = Field(128, ge=1)
+    window: int = Field(256, ge=1)
     sinks: int = Field(SINKS, ge=0)
     feature_map: Literal["hedgehog", "performer"] = "hedgehog"
     feature_dim: int | None = Field(None, ge=1)

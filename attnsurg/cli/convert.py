@@ -57,7 +57,7 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
 
 @app.command(epilog=examples(
     "attnsurg convert smollm2-135m --to mla --kv-budget 0.5 -o out/mla50",
-    "attnsurg convert smollm2-135m --to linear -o out/linear128",
+    "attnsurg convert smollm2-135m --to linear -o out/linear256",
     guide="mla.md"))
 @user_errors
 def convert(

@@ -855,8 +855,8 @@ class HybridLinearAttention(AttentionBase):
         first = layer.cumulative_length - keys.shape[2]  # the position of keys[:, :, 0]
         if query.shape[2] == 1:
             return self.decode_step(layer, query, keys, values, feature_query, first)
-        held = keys.shape[2] - key.shape[2]
-        feature_keys = torch.cat([self.keys_read(keys[:, :, :held], first).float(), feature_key.float()], dim=2)
+        cached = keys.shape[2] - key.shape[2]
+        feature_keys = torch.cat([self.keys_read(keys[:, :, :cached], first).float(), feature_key.float()], dim=2)
         every_key, every_value, positions = layer.with_sinks(keys, values, first)
         key_features = self.key_features(feature_keys)
         held = every_key.shape[2] - keys.shape[2]  # sinks: exact only, their features never read

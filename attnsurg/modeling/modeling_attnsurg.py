@@ -615,7 +615,6 @@ class LinearStateLayer(DynamicSlidingWindowLayer):
 
     def __init__(self, window: int) -> None:
         super().__init__(sliding_window=window + 1)
-        self.window = window
         self.state: torch.Tensor | None = None
         self.normalizer: torch.Tensor | None = None
         self.shift: torch.Tensor | None = None

@@ -579,7 +579,7 @@ class LokiAttention(AttentionBase):
         return torch.einsum("bgqk,bgqkd->bgqd", weights, rest_top[..., d - r :]).reshape(batch, 1, -1)
 
 
-LINEAR_CHUNK = 256  # new tokens a hybrid linear attention takes at once: prefill cost O(T (w + chunk))
+LINEAR_CHUNK = 128  # new tokens a hybrid linear attention takes at once: prefill cost O(T (w + chunk))
 
 
 def hedgehog_log(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -687,7 +687,16 @@ def shifted_weights(scores: torch.Tensor, log_q: torch.Tensor, anchored: bool) -
     largest = scores.amax(-1, keepdim=True)
     log_q = log_q - largest if anchored else log_q
     top = log_q.detach().amax(-1, keepdim=True).clamp(min=0.0)  # the exact part's largest weight is exp(0)
-    return torch.exp(scores - largest - top), torch.exp(log_q - top)
+    return torch.exp(scores - (largest + top)), torch.exp(log_q - top)
+
+
+def masked_scores(query: torch.Tensor, key: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """query . key [B, G, R, S] for query rows [B, G, R, d] and keys [B, G, S, d], -inf where ``seen`` [R, S]
+    is False: the mask is added inside the product (one pass over the scores, not three)."""
+    batch, kv_heads, rows, d = query.shape
+    bias = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(~seen, float("-inf"))
+    scores = torch.baddbmm(bias, query.reshape(-1, rows, d), key.reshape(-1, *key.shape[2:]).transpose(1, 2))
+    return scores.view(batch, kv_heads, rows, -1)
 
 
 def hybrid_attention(
@@ -699,57 +708,66 @@ def hybrid_attention(
     """LoLCATs' sliding-window + linear attention (Zhang et al. 2024, eq. 6) for the last T of S keys, with
     StreamingLLM's attention sinks (Xiao et al. 2024): the first ``sinks`` keys of the sequence stay exact.
 
-    query [B, H, T, d] and the log of its features [B, H, T, 2F]; key, value [B, G, S, d] and the log of the
-    keys' features [B, G, S, 2F] at ``key_positions`` (default 0 .. S-1), the queries being the last T of them.
-    Query i weighs key j by exp(s_ij - m_i) when i - j < window or j < sinks (s_ij = q_i . k_j * scaling, m_i
-    the largest such score) and by exp(linear_scale_h - decay_g (i - j)) phi(q_i) . phi(k_j) otherwise
-    (``decay`` [G] per token, default 0: the decayed linear attention of RetNet, Sun et al. 2023, eq. 1);
-    ``layer`` holds the state of keys older than those given, none of them a sink. One normalisation over both
-    parts.
+    query [B, H, T, d] and the log of its features [B, H, T, 2F]; key, value [B, G, S, d] at ``key_positions``
+    (ascending, default 0 .. S-1), the queries being the last T of them, and the log of the keys' features
+    [B, G, S', 2F] for the first S' (at least those ``window`` or more before the last query; no other is read). Query i weighs key j by exp(s_ij - m_i) when i - j < window or j < sinks (s_ij = q_i . k_j *
+    scaling, m_i the largest such score) and by exp(linear_scale_h - decay_g (i - j)) phi(q_i) . phi(k_j)
+    otherwise (``decay`` [G] per token, default 0: the decayed linear attention of RetNet, Sun et al. 2023,
+    eq. 1); ``layer`` holds the state of keys older than those given, none of them a sink. One normalisation
+    over both parts.
     ``anchored``: the features' products estimate exp(s_ij) (Performer's), so the linear part is put on the
     exact part's scale, exp(-m_i). Every product is taken in log space under a shift per query and per
-    feature, so neither part over- or underflows when the other dominates. Returns [B, H, T, d] in float32."""
-    length, total = query.shape[2], key.shape[2]
-    groups = query.shape[1] // key.shape[1]
-    q = query.float()
-    k, v = (repeat_heads(t.float(), groups) for t in (key, value))
-    positions = key_positions if key_positions is not None else torch.arange(total, device=q.device)
-    decay = decay.float() if decay is not None else torch.zeros(key.shape[1], device=q.device)
+    feature, so neither part over- or underflows when the other dominates. A KV head's query heads are the
+    rows of one product, and only the keys some query reads through the features (those at least ``window``
+    before the last query) are scored by them. Returns [B, H, T, d] in float32."""
+    batch, heads, length, d = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    rows = (batch, kv_heads, groups * length)
+    by_group = (batch, kv_heads, groups, length)
+    k, v = key.float(), value.float()
+    positions = key_positions if key_positions is not None else torch.arange(total, device=query.device)
+    decay = decay.float() if decay is not None else torch.zeros(kv_heads, device=query.device)
+    last = int(positions[-1])  # the decay is taken from here: every offset is <= 0
+    reach = int((positions <= last - window).sum())  # the keys any query reads through the features come first
     distance = positions[-length:, None] - positions[None, :]
     sink = positions < sinks
     exact_keys = (distance >= 0) & ((distance < window) | sink)
-    linear_keys = (distance >= window) & ~sink
-    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~exact_keys, float("-inf"))
-    last = int(positions[-1])  # the decay is taken from here: every offset is <= 0
-    log_k = key_features + (decay[:, None] * (positions - last))[None, :, :, None]
+    linear_keys = ((distance >= window) & ~sink)[:, :reach]
+    scores = masked_scores(query.float().reshape(*rows, d) * scaling, k, exact_keys.repeat(groups, 1))
+    scores = scores.view(*by_group, total)
+    log_k = key_features[:, :, :reach] + (decay[:, None] * (positions[:reach] - last))[None, :, :, None]
     log_k = log_k.masked_fill(~linear_keys.any(0)[None, None, :, None], float("-inf"))
-    shift = log_k.detach().amax(2)  # [B, G, 2F]
+    shift = (log_k.detach().amax(2) if reach
+             else key_features.new_full((*key_features.shape[:2], key_features.shape[3]), float("-inf")))
     if layer is not None and layer.state is not None:
         shift = torch.maximum(shift, layer.shift_at(last, decay))
-    shift = shift.nan_to_num(neginf=0.0)  # features no linear key reaches
-    f_k = repeat_heads(torch.exp(log_k - shift[:, :, None]), groups)
-    query_decay = repeat_heads(decay[None, :, None], groups)[0] * (last - positions[-length:])  # [H, T]
-    log_q = (query_features + repeat_heads(shift, groups)[:, :, None]
-             + (linear_scale.float()[:, None] + query_decay)[None, :, :, None])
+    shift = shift.nan_to_num(neginf=0.0)  # features no linear key reaches  [B, G, 2F]
+    query_offset = linear_scale.float().view(kv_heads, groups, 1) + decay[:, None, None] * (last - positions[-length:])
+    log_q = query_features.float().reshape(*by_group, -1) + shift[:, :, None, None] + query_offset[None, ..., None]
     exact, f_q = shifted_weights(scores, log_q, anchored)
-    weights = exact + (f_q @ f_k.transpose(-1, -2)).masked_fill(~linear_keys, 0.0)
-    numerator, denominator = weights @ v, weights.sum(-1, keepdim=True)
+    exact, f_q = exact.reshape(*rows, total), f_q.reshape(*rows, -1)
+    numerator, denominator = exact @ v, exact.sum(-1, keepdim=True)
+    if reach:
+        f_k = torch.exp(log_k - shift[:, :, None])
+        linear = (f_q @ f_k.transpose(-1, -2)).view(*by_group, reach).masked_fill(~linear_keys, 0.0)
+        linear = linear.reshape(*rows, reach)
+        numerator, denominator = numerator + linear @ v[:, :, :reach], denominator + linear.sum(-1, keepdim=True)
     if layer is not None and layer.state is not None:
         state, normalizer = layer.state_at(last, shift, decay)
-        numerator = numerator + f_q @ repeat_heads(state, groups)
-        denominator = denominator + (f_q * repeat_heads(normalizer, groups)[:, :, None]).sum(-1, keepdim=True)
-    return numerator / denominator
+        numerator, denominator = numerator + f_q @ state, denominator + f_q @ normalizer[..., None]
+    return (numerator / denominator).view(batch, heads, length, d)
 
 
-def retire(layer: LinearStateLayer, keys: torch.Tensor, values: torch.Tensor, feature_keys: torch.Tensor,
-           first: int, sinks: int, key_features: Callable[[torch.Tensor], torch.Tensor], decay: torch.Tensor) -> None:
+def retire(layer: LinearStateLayer, keys: torch.Tensor, values: torch.Tensor, log_features: torch.Tensor,
+           first: int, sinks: int, decay: torch.Tensor) -> None:
     """Keys leaving the window (the first at position ``first``): sinks are kept as they are, the others
-    fold into the state through the features of ``feature_keys`` (the same keys as the maps read them)."""
+    fold into the state through their features (``log_features``, log phi(k))."""
     kept = min(max(sinks - first, 0), keys.shape[2])
     if kept:
         layer.keep_sinks(keys[:, :, :kept], values[:, :, :kept])
     if kept < keys.shape[2]:
-        layer.fold(key_features(feature_keys[:, :, kept:]), values[:, :, kept:], first + kept, decay)
+        layer.fold(log_features[:, :, kept:], values[:, :, kept:], first + kept, decay)
 
 
 class HybridLinearAttention(AttentionBase):
@@ -854,22 +872,28 @@ class HybridLinearAttention(AttentionBase):
         first = layer.cumulative_length - keys.shape[2]  # the position of keys[:, :, 0]
         if query.shape[2] == 1:
             return self.decode_step(layer, query, keys, values, feature_query, first)
-        cached = keys.shape[2] - key.shape[2]
-        feature_keys = torch.cat([self.keys_read(keys[:, :, :cached], first).float(), feature_key.float()], dim=2)
+        leaving = max(keys.shape[2] - self.window, 0)  # the keys older than the window for the last query
+        log_features = self.leaving_features(keys, feature_key, first, leaving)  # the only keys the maps read
         every_key, every_value, positions = layer.with_sinks(keys, values, first)
-        key_features = self.key_features(feature_keys)
         held = every_key.shape[2] - keys.shape[2]  # sinks: exact only, their features never read
-        key_features = torch.cat([key_features.new_full((*key_features.shape[:2], held, key_features.shape[3]),
-                                                        float("-inf")), key_features], dim=2)
+        key_features = torch.cat([log_features.new_full((*log_features.shape[:2], held, log_features.shape[3]),
+                                                        float("-inf")), log_features], dim=2)
         decay = self.decay()
         output = hybrid_attention(query, every_key, every_value, self.query_features(feature_query), key_features,
                                   self.window, self.scaling, self.linear_scale, layer, self.sinks, positions,
                                   self.anchored, decay)
-        leaving = keys.shape[2] - self.window
-        if leaving > 0:
-            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], feature_keys[:, :, :leaving], first,
-                   self.sinks, self.key_features, decay)
+        if leaving:
+            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], log_features, first, self.sinks, decay)
         return output
+
+    def leaving_features(self, keys: torch.Tensor, new_keys: torch.Tensor, first: int, leaving: int) -> torch.Tensor:
+        """log phi(k) [B, G, leaving, 2F] of the first ``leaving`` of ``keys`` (the window's, the first at
+        position ``first``, then the new ones, whose form the maps read is ``new_keys``)."""
+        cached = keys.shape[2] - new_keys.shape[2]
+        read = self.keys_read(keys[:, :, :min(leaving, cached)], first).float()
+        if leaving > cached:
+            read = torch.cat([read, new_keys[:, :, : leaving - cached].float()], dim=2)
+        return self.key_features(read)
 
     def decode_step(self, layer: LinearStateLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     feature_query: torch.Tensor, first: int) -> torch.Tensor:
@@ -878,8 +902,8 @@ class HybridLinearAttention(AttentionBase):
         normalisation (shifted as in hybrid_attention), each KV head's query heads together."""
         leaving, decay = keys.shape[2] - self.window, self.decay()
         if leaving > 0:
-            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], self.keys_read(keys[:, :, :leaving], first),
-                   first, self.sinks, self.key_features, decay)
+            log_features = self.key_features(self.keys_read(keys[:, :, :leaving], first))
+            retire(layer, keys[:, :, :leaving], values[:, :, :leaving], log_features, first, self.sinks, decay)
             keys, values = keys[:, :, leaving:], values[:, :, leaving:]
         if layer.sink_keys is not None:
             keys, values = torch.cat([layer.sink_keys, keys], dim=2), torch.cat([layer.sink_values, values], dim=2)

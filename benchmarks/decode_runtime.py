@@ -1,7 +1,7 @@
-"""Decode and prefill speed of MLA checkpoints in the attnsurg runtime against transformers' stock one, with
-the original timed in the same run (`attnsurg eval speed` with both runtimes).
+"""Decode and prefill speed of converted checkpoints against the original, timed in the same run (`attnsurg
+eval speed`; MLA checkpoints in attnsurg's runtime and in transformers' stock DeepseekV3).
 
-    python benchmarks/decode_runtime.py ORIGINAL MLA [MLA ...] [--contexts 1024,4096,8160] [--batch 1]
+    python benchmarks/decode_runtime.py ORIGINAL CONVERTED [CONVERTED ...] [--contexts 1024,4096,8160] [--batch 1]
         [--new-tokens 32] [--repeats 1] [--warmup 0] [--runtimes attnsurg,stock]
         [--name decode_runtime]
 
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--runtimes", default="attnsurg,stock", help="the MLA runtimes timed, comma-separated")
+    parser.add_argument("--runtimes", default="attnsurg,stock", help="the runtimes timed, comma-separated")
     parser.add_argument("--name", default="decode_runtime")
     args = parser.parse_args()
     request = SpeedEval(models=[ModelRef(ref=m) for m in args.models],

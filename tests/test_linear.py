@@ -86,6 +86,28 @@ def test_without_the_linear_part_the_sinks_and_the_window_are_softmax_attention(
     assert torch.allclose(got, want, atol=1e-6)
 
 
+def test_only_keys_a_window_before_the_last_query_are_read_through_their_features():
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 6, 8, generator=generator)  # the last 6 of 20 keys, two query heads per KV head
+    key, value = (torch.randn(1, 2, 20, 8, generator=generator) for _ in range(2))
+    log_q, log_k = torch.randn(1, 4, 6, 5, generator=generator), torch.randn(1, 2, 20, 5, generator=generator)
+    window = 7  # keys 0..12 are at least a window before the last query (19)
+    whole = modeling_attnsurg.hybrid_attention(query, key, value, log_q, log_k, window, 0.3, torch.zeros(4),
+                                               sinks=2, decay=torch.tensor([0.0, 0.2]))
+    read = modeling_attnsurg.hybrid_attention(query, key, value, log_q, log_k[:, :, :13], window, 0.3,
+                                              torch.zeros(4), sinks=2, decay=torch.tensor([0.0, 0.2]))
+    assert torch.equal(read, whole)
+    unread = log_k.clone()
+    unread[:, :, 13:] += 50.0
+    moved = unread.clone()
+    moved[:, :, 12] += 50.0
+    same = modeling_attnsurg.hybrid_attention(query, key, value, log_q, unread, window, 0.3, torch.zeros(4), sinks=2)
+    other = modeling_attnsurg.hybrid_attention(query, key, value, log_q, moved, window, 0.3, torch.zeros(4), sinks=2)
+    plain = modeling_attnsurg.hybrid_attention(query, key, value, log_q, log_k, window, 0.3, torch.zeros(4), sinks=2)
+    assert torch.allclose(same, plain, atol=1e-6)
+    assert not torch.allclose(other, plain, atol=1e-3)
+
+
 def performer_error(features: int, query, key, value) -> float:
     """The hybrid with one exact key (itself) and Performer's features against full causal softmax attention."""
     from attnsurg.linalg import orthogonal_gaussian

@@ -710,7 +710,8 @@ def hybrid_attention(
 
     query [B, H, T, d] and the log of its features [B, H, T, 2F]; key, value [B, G, S, d] at ``key_positions``
     (ascending, default 0 .. S-1), the queries being the last T of them, and the log of the keys' features
-    [B, G, S', 2F] for the first S' (at least those ``window`` or more before the last query; no other is read). Query i weighs key j by exp(s_ij - m_i) when i - j < window or j < sinks (s_ij = q_i . k_j *
+    [B, G, S', 2F] for the first S' (at least those ``window`` or more before the last query; no other is
+    read). Query i weighs key j by exp(s_ij - m_i) when i - j < window or j < sinks (s_ij = q_i . k_j *
     scaling, m_i the largest such score) and by exp(linear_scale_h - decay_g (i - j)) phi(q_i) . phi(k_j)
     otherwise (``decay`` [G] per token, default 0: the decayed linear attention of RetNet, Sun et al. 2023,
     eq. 1); ``layer`` holds the state of keys older than those given, none of them a sink. One normalisation

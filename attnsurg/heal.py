@@ -71,10 +71,13 @@ def heal_state_dir(output: Path) -> Path:
 
 # ------------------------------------------------------------------------------------ what trains
 def select_trainable(model: PreTrainedModel, train: str) -> list[torch.nn.Parameter]:
-    """Mark what trains (attention modules, or everything) and return those parameters. ``lora`` marks what
-    ``attention`` does; ``add_lora`` then moves the projections' training into adapters."""
+    """Mark what trains (attention modules, a linear conversion's feature maps, or everything) and return those
+    parameters. ``lora`` marks what ``attention`` does; ``add_lora`` then moves the projections' training into
+    adapters."""
     for parameter in model.parameters():
         parameter.requires_grad_(train == "all")
+    if train == "features":
+        return linear_feature_parameters(model)
     if train in ("attention", "lora"):
         for name, module in model.named_modules():
             if name.endswith(".self_attn"):
@@ -84,6 +87,19 @@ def select_trainable(model: PreTrainedModel, train: str) -> list[torch.nn.Parame
     if not trainable:
         raise UserError("the student has no attention modules named '*.self_attn' to train; use train: all (--train all)")
     return trainable
+
+
+def linear_feature_parameters(model: PreTrainedModel) -> list[torch.nn.Parameter]:
+    """``train: features``: only what a linear conversion added (its feature maps, the linear part's weight and
+    decay), so the window's softmax attention stays the source's."""
+    added = [p for module in model.modules() if callable(getattr(module, "added_parameters", None))
+             for p in module.added_parameters()]
+    if not added:
+        raise UserError("--train features trains a linear conversion's feature maps and this student has none; "
+                        "use --train attention")
+    for parameter in added:
+        parameter.requires_grad_(True)
+    return added
 
 
 def hold_exactness_constants(model: PreTrainedModel) -> None:

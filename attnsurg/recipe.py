@@ -101,7 +101,8 @@ class HealSettings(Strict):
     processes)). ``train: attention`` trains only the attention modules (less any value a conversion
     holds fixed for exactness); ``all`` trains every parameter; ``lora`` trains rank-``lora_rank`` adapters
     on the attention projections and the attention's other parameters in full, and merges the adapters
-    into the weights at the end (``attnsurg.adapters``). ``teacher`` defaults to the recipe's source
+    into the weights at the end (``attnsurg.adapters``); ``features`` trains only what a linear conversion
+    added (its feature maps), so the softmax window stays the source's. ``teacher`` defaults to the recipe's source
     model when healing follows a surgery step.
     """
 
@@ -119,7 +120,7 @@ class HealSettings(Strict):
     hidden_weight: float = Field(0.0, ge=0)
     temperature: float = Field(1.0, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    train: Literal["attention", "all", "lora"] = "attention"
+    train: Literal["attention", "all", "lora", "features"] = "attention"
     lora_rank: int = Field(8, gt=0)  # train: lora (adapters on the attention projections)
     lora_alpha: float | None = Field(None, gt=0)  # None: 2 x lora_rank
     eval_every: int = Field(0, ge=0)

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
+from attnsurg.errors import UserError
 from attnsurg.heal import Distiller, batch_indices, heal_model, heal_state_dir, lr_factor, select_trainable
 from attnsurg.methods.mla import convert, norm_channel_of, plan_mla
 from attnsurg.recipe import HealSettings
@@ -100,6 +101,38 @@ def test_train_all_widens_to_every_parameter(teacher_and_tokenizer):
     everything = sum(p.numel() for p in select_trainable(student, "all"))
     frozen_norms = sum(layer.self_attn.kv_a_layernorm.weight.numel() for layer in student.model.layers)
     assert attention_only < everything == sum(p.numel() for p in student.parameters()) - frozen_norms
+
+
+def linear_student(teacher):
+    from attnsurg.methods.base import SurgeryInputs, method_for
+    from attnsurg.methods.linear.method import LinearReport, LinearSettings
+    from attnsurg.requests import COMMAND_CALIBRATION
+
+    linear = LinearSettings(window=8, transfer_steps=2)
+    method = method_for(linear)
+    anatomy = inspect_config(teacher.config)
+    windows = torch.randint(0, teacher.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+    student = AutoModelForCausalLM.from_config(teacher.config)
+    student.load_state_dict(teacher.state_dict())
+    inputs = SurgeryInputs(LLAMA, windows, COMMAND_CALIBRATION)
+    return method.operate_model(student, inputs, linear, LinearReport(method.plan(anatomy, linear), anatomy))
+
+
+def test_train_features_trains_a_linear_conversions_maps_and_nothing_else(teacher_and_tokenizer, corpus_file,
+                                                                          tmp_path):
+    teacher, tokenizer = teacher_and_tokenizer
+    student = linear_student(teacher)
+    added = {"feature_q", "feature_q_bias", "feature_k", "feature_k_bias", "linear_scale", "log_decay"}
+    selected = {id(p) for p in select_trainable(student, "features")}
+    trained = {name for name, p in student.named_parameters() if id(p) in selected}
+    assert {name.rsplit(".", 1)[1] for name in trained} == added
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    heal_model(student, teacher, tokenizer, settings(corpus_file, tokens=32 * 2 * 2, train="features"), seed=0,
+               state_dir=tmp_path / "s")
+    changed = {name for name, p in student.named_parameters() if not torch.equal(before[name], p)}
+    assert changed and changed <= trained
+    with pytest.raises(UserError, match="--train features"):
+        select_trainable(mla_student(teacher), "features")
 
 
 @pytest.mark.parametrize("train", ["attention", "lora"])

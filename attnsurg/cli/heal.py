@@ -71,7 +71,7 @@ def heal(
     ] = HEAL.hidden_weight,
     temperature: Annotated[float, typer.Option("--temperature", help="Distillation temperature.",
                                                rich_help_panel=DISTILLATION)] = HEAL.temperature,
-    train: Annotated[str, typer.Option("--train", help="attention, all, or lora (merged adapters).",
+    train: Annotated[str, typer.Option("--train", help="attention, all, lora or features (linear maps).",
                                        rich_help_panel=TRAINING)] = HEAL.train,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="Rank of each adapter (--train lora).",
                                            rich_help_panel=TRAINING)] = HEAL.lora_rank,

@@ -803,6 +803,12 @@ class HybridLinearAttention(AttentionBase):
 
     rotary: Callable | None = None  # the model's rotary embedding, set by the model (not a submodule)
 
+    def added_parameters(self) -> list[nn.Parameter]:
+        """What a conversion adds to the source's attention: the feature maps, the linear part's weight and its
+        decay."""
+        added = [self.feature_q, self.feature_q_bias, self.feature_k, self.feature_k_bias, self.linear_scale]
+        return added + ([self.log_decay] if self.log_decay is not None else [])
+
     def decay(self) -> torch.Tensor:
         """delta_g [G], the linear part's decay per token (0 without one)."""
         if self.log_decay is None:

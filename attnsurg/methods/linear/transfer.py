@@ -91,8 +91,8 @@ def hybrid_output(attention: HybridLinearAttention, query: torch.Tensor, key: to
 
 def added_names(attention: HybridLinearAttention) -> tuple[str, ...]:
     """The tensors a conversion adds to the source's attention, by their names in the module."""
-    names = ("feature_q", "feature_q_bias", "feature_k", "feature_k_bias", "linear_scale")
-    return names + ("log_decay",) if attention.log_decay is not None else names
+    added = {id(p) for p in attention.added_parameters()}
+    return tuple(name for name, p in attention.named_parameters(recurse=False) if id(p) in added)
 
 
 def feature_parameters(attention: HybridLinearAttention) -> list[torch.nn.Parameter]:

@@ -235,7 +235,7 @@ def plan(
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan directory (plan.json, plan.png, recipes).")],
     target_ratio: Annotated[float, typer.Option("--target-ratio", help="Largest perplexity ratio to the source allowed.",
                                                 rich_help_panel=PLAN)] = 1.3,
-    methods: Annotated[str, typer.Option("--methods", help="Comma list of svd, asvd, svdllm, loki, mla, tucker, cp.",
+    methods: Annotated[str, typer.Option("--methods", help="svd, asvd, svdllm, loki, mla, tucker, cp or linear.",
                                          rich_help_panel=PLAN)] = "svdllm,loki,mla",
     dataset: CalibDataset = "wiki-sample",
     text: CalibText = None,

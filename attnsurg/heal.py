@@ -35,6 +35,7 @@ from attnsurg.data import load_text
 from attnsurg.distillation import Head, LossWeights, logit_loss, residual_stream_error
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
+from attnsurg.io.save import refused_writes
 from attnsurg.methods.mla import hold_norm_channel, norm_channel_of
 from attnsurg.recipe import HealSettings
 from attnsurg.requests import TextData
@@ -244,9 +245,27 @@ def resume_step(accelerator: Accelerator, state_dir: Path, run_id: str, schedule
     return step
 
 
+def fitted_to_context(settings: HealSettings, max_positions: int | None) -> HealSettings:
+    """Training windows that fit the student's context (past it, positions it never saw would be trained): a
+    ``seq_len`` given past it is refused, the default one is cut to it."""
+    if not max_positions or settings.seq_len <= max_positions:
+        return settings
+    if "seq_len" in settings.model_fields_set:
+        raise UserError(f"--seq-len {settings.seq_len} is past the model's context of {max_positions} positions; "
+                        f"use --seq-len {max_positions} or less")
+    return settings.model_copy(update={"seq_len": max_positions})
+
+
+def forget_saved_steps(state_dir: Path) -> None:
+    """A run that cannot go on (it diverged) leaves no step to resume into the same failure."""
+    for _, path, _ in saved_steps(state_dir) if state_dir.is_dir() else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def save_step(accelerator: Accelerator, state_dir: Path, step: int, run_id: str, scheduler) -> None:
     path = state_dir / f"step-{step:08d}"
-    accelerator.save_state(str(path))
+    with refused_writes(state_dir, "the last complete step is kept to resume from"):
+        accelerator.save_state(str(path))
     accelerator.wait_for_everyone()  # every process has written its part before the marker says complete
     if accelerator.is_main_process:
         record = {"step": step, "fingerprint": run_id, "scheduler": scheduler.state_dict()}
@@ -340,6 +359,10 @@ def heal_model(
         advance(start)
         for step in range(start, steps):
             loss = train_step(accelerator, distiller, optimizer, scheduler, windows, settings, seed, step, trainable)
+            if not math.isfinite(loss):
+                forget_saved_steps(state_dir)
+                raise UserError(f"healing diverged: the distillation loss became {loss} at step {step + 1}; lower "
+                                f"--lr (it is {settings.lr:g}) or raise --warmup (nothing was written)")
             report.losses.append((step + 1, loss))
             rate = (step + 1 - start) * tokens_per_step / (time.perf_counter() - started)
             advance(1, note=f"loss {loss:.4f}, {rate:,.0f} tok/s")

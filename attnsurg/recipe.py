@@ -273,3 +273,8 @@ class Recipe(Strict):
     @property
     def heal(self) -> HealSettings | None:
         return next((step.heal for step in self.steps if isinstance(step, HealStep)), None)
+
+    def with_heal(self, settings: HealSettings) -> Recipe:
+        """The same recipe with its heal step's settings replaced."""
+        steps = [HealStep(heal=settings) if isinstance(step, HealStep) else step for step in self.steps]
+        return self.model_copy(update={"steps": steps})

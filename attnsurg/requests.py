@@ -19,7 +19,7 @@ Runtime = Literal["attnsurg", "stock"]  # how a DeepseekV3 model attends at infe
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no NaN or infinite setting
 
 
 class ModelRef(Strict):

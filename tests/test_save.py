@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,8 +42,7 @@ def test_sharded_checkpoint_with_card_reloads_identically(tiny, tmp_path):
 
 def test_existing_output_is_refused_without_overwrite(tiny, tmp_path):
     model, tokenizer = tiny
-    out = tmp_path / "out"
-    out.mkdir()
+    out = write_checkpoint(model, tokenizer, tmp_path / "out", CARD)
     (out / "keep.txt").write_text("mine")
     with pytest.raises(UserError, match="--overwrite"):
         write_checkpoint(model, tokenizer, out, CARD)
@@ -50,6 +50,36 @@ def test_existing_output_is_refused_without_overwrite(tiny, tmp_path):
     write_checkpoint(model, tokenizer, out, CARD, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_overwrite_never_replaces_a_directory_attnsurg_did_not_write(tiny, tmp_path):
+    model, tokenizer = tiny
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="attnsurg did not write"):
+        write_checkpoint(model, tokenizer, out, CARD, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("where", ["source", "parent", "grandparent"])
+def test_overwrite_never_replaces_what_the_run_reads(tiny, tmp_path, where):
+    model, tokenizer = tiny
+    source = write_checkpoint(model, tokenizer, tmp_path / "a" / "b" / "source", CARD)  # an attnsurg output itself
+    out = {"source": source, "parent": source.parent, "grandparent": source.parent.parent}[where]
+    with pytest.raises(UserError, match="which this command reads"):
+        write_checkpoint(model, tokenizer, out, CARD, overwrite=True, reads=[source])
+    assert (source / "config.json").is_file()
+
+
+def test_output_holding_the_current_directory_is_refused(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    out = write_checkpoint(model, tokenizer, tmp_path / "out", CARD)
+    monkeypatch.chdir(out)
+    with pytest.raises(UserError, match="current directory"):
+        write_checkpoint(model, tokenizer, Path("."), CARD, overwrite=True)
+    assert (out / "config.json").is_file()
 
 
 def test_output_path_that_is_a_file(tmp_path):

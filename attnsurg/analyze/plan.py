@@ -210,6 +210,13 @@ def recipe_text(ctx: PlanContext, method: PlannedMethod, budget: float, report: 
 
 
 # ------------------------------------------------------------------------------------------ the command
+def plan_reads(request: PlanRequest) -> list[Path]:
+    """What a plan reads, which its output must never replace (``io.guard``)."""
+    source = inspect_model(request.model)[0]
+    text = request.calibration.data.text
+    return ([source.files] if source.is_local else []) + ([Path(text)] if text is not None else [])
+
+
 def load_context(request: PlanRequest) -> PlanContext:
     source, _, anatomy = inspect_model(request.model)
     family = family_for_surgery(anatomy.model_type)
@@ -250,7 +257,7 @@ def run_plan(request: PlanRequest) -> tuple[PlanReport, list[Path]]:
     for name in request.methods:
         if name not in PLANNED:
             raise UserError(f"--methods: '{name}' is not planned; plan any of {', '.join(PLANNED)}")
-    with staged_checkpoint(request.output, request.overwrite) as staging:
+    with staged_checkpoint(request.output, request.overwrite, plan_reads(request)) as staging:
         ctx = load_context(request)
         methods, recipes = [], {}
         for name in request.methods:

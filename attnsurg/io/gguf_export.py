@@ -17,6 +17,7 @@ ids), or given with ``--tokenizer-pre``.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tempfile
@@ -32,7 +33,11 @@ from safetensors import safe_open
 
 from attnsurg.errors import UserError
 from attnsurg.io.load import ModelSource, resolve_source
-from attnsurg.io.save import current_umask
+from attnsurg import __version__
+from attnsurg.io.guard import GGUF_MARK, check_output_file
+from attnsurg.io.lazy import require_finite
+from attnsurg.io.load import check_checkpoint_tensors
+from attnsurg.io.save import current_umask, refused_writes
 
 DTYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
           "bf16": gguf.GGMLQuantizationType.BF16}
@@ -57,6 +62,15 @@ KNOWN_PRE_TOKENIZERS = {
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
 }
 PRE_TOKENIZER_NAMES = sorted(set(KNOWN_PRE_TOKENIZERS.values()))
+# Every BPE pre-tokenizer name llama.cpp's vocabulary loader knows (src/llama-vocab.cpp); any other name makes
+# it warn and tokenize with its default pre-tokenizer, so the GGUF would read text differently from the model.
+LLAMA_CPP_PRE_TOKENIZERS = frozenset("""
+    default llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 deepseek-llm deepseek-coder deepseek-v3
+    falcon mpt starcoder gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum jina-v1-en
+    jina-v2-code roberta-bpe refact command-r qwen2 deepseek-r1-qwen kormo stablelm2 olmo dbrx smaug-bpe poro-chat
+    glm4 chatglm-bpe viking jais tekken smollm codeshell bloom gpt3-finnish exaone exaone4 chameleon minerva-7b
+    megrez gpt-4o llama4 superbpe trillion granite-docling bailingmoe bailingmoe2 llada-moe seed-coder hunyuan
+    hunyuan-dense kimi-k2 grok-2 afmoe minimax-m2""".split())
 
 
 @dataclass
@@ -96,6 +110,15 @@ def export_architecture(config: dict) -> str:
                     f"this one is '{model_type}'")
 
 
+def checked_pre_tokenizer(name: str) -> str:
+    if name not in LLAMA_CPP_PRE_TOKENIZERS:
+        close = difflib.get_close_matches(name, sorted(LLAMA_CPP_PRE_TOKENIZERS), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"for example {', '.join(PRE_TOKENIZER_NAMES)}"
+        raise UserError(f"--tokenizer-pre: '{name}' is not a pre-tokenizer llama.cpp knows (it would tokenize with its "
+                        f"default one); {hint}")
+    return name
+
+
 def pre_tokenizer_of(tokenizer_dir: Path) -> str:
     """llama.cpp's name for the tokenizer's pre-tokenizer, found from the hash its converter uses."""
     from transformers import AutoTokenizer
@@ -110,14 +133,16 @@ def pre_tokenizer_of(tokenizer_dir: Path) -> str:
 
 # -------------------------------------------------------------------------------------- tensors
 def checkpoint_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every safetensors shard, one tensor in memory at a time."""
+    """(name, tensor) of every safetensors shard, one tensor in memory at a time, each checked finite."""
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise UserError(f"'{directory}' has no *.safetensors weights to export")
     for shard in shards:
         with safe_open(shard, framework="pt") as reader:
             for name in reader.keys():
-                yield name, reader.get_tensor(name)
+                tensor = reader.get_tensor(name)
+                require_finite(name, tensor, str(directory))
+                yield name, tensor
 
 
 def rope_pairs_interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -237,7 +262,8 @@ def local_directory(source: ModelSource) -> Path:
 def export_gguf(ref: str, output: Path, dtype: str = "auto", tokenizer_pre: str | None = None,
                 overwrite: bool = False) -> GGUFExport:
     """Write ``ref`` (an MLA conversion or a Llama-family checkpoint) to ``output`` as GGUF, atomically."""
-    directory = local_directory(resolve_source(ref))
+    source = resolve_source(ref)
+    directory = local_directory(source)
     config = json.loads((directory / "config.json").read_text())
     architecture = export_architecture(config)
     if dtype == "auto":
@@ -245,32 +271,49 @@ def export_gguf(ref: str, output: Path, dtype: str = "auto", tokenizer_pre: str 
     if dtype not in DTYPES:
         raise UserError(f"unknown GGUF dtype '{dtype}'; choose auto, {', '.join(DTYPES)}")
     output = Path(output)
-    if output.exists() and not overwrite:
-        raise UserError(f"'{output}' already exists; pass --overwrite to replace it")
-    if not output.parent.is_dir():
-        raise UserError(f"the folder of '{output}' does not exist")
-    pre = tokenizer_pre or pre_tokenizer_of(directory)
+    check_output_file(output, overwrite, [directory], ours=exported_by_attnsurg(output))
+    check_checkpoint_tensors(source)  # every tensor the config needs is there: no block is left out
+    pre = checked_pre_tokenizer(tokenizer_pre) if tokenizer_pre else pre_tokenizer_of(directory)
 
-    handle, staging = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent)
-    os.close(handle)
-    try:
-        writer = gguf.GGUFWriter(staging, architecture)
-        writer.add_name(config.get("_name_or_path") or directory.name)
-        writer.add_file_type(FILE_TYPES[dtype])
-        add_hyperparameters(writer, config, architecture)
-        add_tokenizer(writer, directory, config["vocab_size"], pre)
-        count = 0
-        for name, tensor in gguf_tensors(directory, config, architecture):
-            data, kind = stored(tensor, dtype)
-            writer.add_tensor(name, data, raw_dtype=kind)
-            count += 1
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.chmod(staging, 0o666 & ~current_umask())
-        os.replace(staging, output)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
+    with refused_writes(output):
+        handle, staging = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent)
+        os.close(handle)
+        try:
+            count = write_gguf(staging, directory, config, architecture, dtype, pre)
+            os.chmod(staging, 0o666 & ~current_umask())
+            check_output_file(output, overwrite, [directory], ours=exported_by_attnsurg(output))
+            os.replace(staging, output)
+        finally:
+            if os.path.exists(staging):
+                os.unlink(staging)
     return GGUFExport(output, architecture, count, output.stat().st_size)
+
+
+def write_gguf(path: str, directory: Path, config: dict, architecture: str, dtype: str, pre: str) -> int:
+    """The GGUF file at ``path``; returns how many tensors it holds."""
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_name(config.get("_name_or_path") or directory.name)
+    writer.add_string(GGUF_MARK, __version__)
+    writer.add_file_type(FILE_TYPES[dtype])
+    add_hyperparameters(writer, config, architecture)
+    add_tokenizer(writer, directory, config["vocab_size"], pre)
+    count = 0
+    for name, tensor in gguf_tensors(directory, config, architecture):
+        data, kind = stored(tensor, dtype)
+        writer.add_tensor(name, data, raw_dtype=kind)
+        count += 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return count
+
+
+def exported_by_attnsurg(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file this tool wrote (it carries ``GGUF_MARK``)."""
+    if not path.is_file():
+        return False
+    try:
+        return GGUF_MARK in gguf.GGUFReader(path).fields
+    except Exception:  # any file that does not parse as GGUF is not ours  # noqa: BLE001
+        return False

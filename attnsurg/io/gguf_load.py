@@ -8,12 +8,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 
-def load_gguf(gguf_file: Path, dtype: torch.dtype = torch.float32):
-    """Dequantize a GGUF checkpoint with transformers; returns a model that can be saved."""
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+def load_gguf(gguf_file: Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, dict]:
+    """Dequantize a GGUF checkpoint with transformers; returns a model that can be saved and the loading report
+    of ``from_pretrained`` (its ``missing_keys``: what the GGUF's blocks did not fill)."""
+    model, info = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype,
+                                                       output_loading_info=True)
     strip_quantizer(model)
-    return model, tokenizer
+    return model, info
+
+
+def load_gguf_tokenizer(gguf_file: Path):
+    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
 
 
 def strip_quantizer(model: PreTrainedModel) -> None:

@@ -30,7 +30,7 @@ from attnsurg.arch.families import supported_names
 from attnsurg.errors import UserError
 from attnsurg.io.assets import ASSETS, ensure_demo_model
 from attnsurg.io.gguf_load import load_gguf
-from attnsurg.io.lazy import reads_lazily
+from attnsurg.io.lazy import reads_lazily, require_finite
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -117,7 +117,7 @@ def _resolve_dir(ref: str, path: Path, allow_pickle: bool, trust_remote_code: bo
         _check_safetensors(weights)
     _check_index(path)
     source = ModelSource(ref, "dir", str(path))
-    _check_header_shapes(source, trust_remote_code)
+    check_checkpoint_tensors(source, trust_remote_code)
     return source
 
 
@@ -132,37 +132,66 @@ def _check_safetensors(path: Path) -> None:
 
 
 def _check_index(path: Path) -> None:
-    """Every shard a safetensors index names is there."""
+    """A safetensors index maps tensor names to shards that are there, each holding the tensors it is said to."""
     index = path / "model.safetensors.index.json"
     if not index.is_file():
         return
-    shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(f"'{index}' has no weight_map of tensor names to shard files; copy or download the "
+                        "checkpoint again")
+    shards = sorted(set(weight_map.values()))
     missing = [shard for shard in shards if not (path / shard).is_file()]
     if missing:
         raise UserError(f"'{index}' names {len(missing)} shard(s) that are not there ({', '.join(missing[:3])}"
                         f"{', ...' if len(missing) > 3 else ''}); copy or download the checkpoint again")
+    for shard in shards:
+        with safe_open(str(path / shard), framework="pt") as f:
+            held = set(f.keys())
+        if absent := sorted(name for name, file in weight_map.items() if file == shard and name not in held):
+            raise UserError(f"'{index}' places '{absent[0]}' in {shard}, which does not hold it; copy or download the "
+                            "checkpoint again")
 
 
-def _check_header_shapes(source: ModelSource, trust_remote_code: bool) -> None:
-    """Every tensor the safetensors headers name has the shape the config's model needs (a header can be
-    self-consistent and still lie about a shape, or a file can belong to another config): checked on a
-    meta-device model, before any weight is read. Checkpoints whose config cannot be built are left to the
-    loader, which says why, and quantized checkpoints (packed shapes) to their quantizer."""
+LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def check_checkpoint_tensors(source: ModelSource, trust_remote_code: bool = False) -> None:
+    """The safetensors headers hold every tensor the config's model needs, in the shape it needs, and no layer
+    past the config's count (transformers would fill a missing tensor with random initial values, or drop the
+    extra layers, without a word): checked on a meta-device model, before any weight is read. Checkpoints whose
+    config cannot be built are left to the loader, which says why, and quantized checkpoints (packed shapes) to
+    their quantizer."""
     try:
         config = load_config(source, trust_remote_code)
         if getattr(config, "quantization_config", None):
             return
-        expected = {name: tuple(t.shape) for name, t in meta_model(config, trust_remote_code).state_dict().items()}
+        model = meta_model(config, trust_remote_code)
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     except (UserError, ValueError, TypeError, AttributeError, OSError, RuntimeError):
         return
+    held: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for weights in sorted(Path(source.path).glob("*.safetensors")):
         with safe_open(str(weights), framework="pt") as f:
-            for name in f.keys():
-                shape, wanted = tuple(f.get_slice(name).get_shape()), expected.get(name)
-                if wanted is not None and shape != wanted:
-                    raise UserError(f"'{weights}' holds '{name}' with shape {list(shape)}, but its config.json needs "
-                                    f"{list(wanted)}: the weights and the config do not belong together; copy or "
-                                    "download the checkpoint again")
+            held.update({name: (weights, tuple(f.get_slice(name).get_shape())) for name in f.keys()})
+    if not held:  # pickle weights: checked by the loader's report (``require_complete``)
+        return
+    for name, (weights, shape) in held.items():
+        wanted = expected.get(name)
+        if wanted is not None and shape != wanted:
+            raise UserError(f"'{weights}' holds '{name}' with shape {list(shape)}, but its config.json needs "
+                            f"{list(wanted)}: the weights and the config do not belong together; copy or "
+                            "download the checkpoint again")
+    missing = sorted(name for name in expected if name not in held and name not in tied)
+    if missing:
+        raise UserError(f"'{source.ref}' lacks {len(missing)} tensor(s) its config.json needs ({', '.join(missing[:2])}"
+                        f"{', ...' if len(missing) > 2 else ''}): the checkpoint is incomplete or its config names "
+                        "more layers than its weights hold; copy or download it again")
+    layers = config.num_hidden_layers
+    if extra := sorted({int(m.group(1)) for name in held if (m := LAYER_INDEX.search(name))} - set(range(layers))):
+        raise UserError(f"'{source.ref}' holds weights of layer {extra[0]}, but its config.json names {layers} layers; "
+                        "fix num_hidden_layers or copy the checkpoint again")
 
 
 def _read_json(path: Path) -> dict:
@@ -256,21 +285,42 @@ def load_model(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
 ) -> PreTrainedModel:
+    """The model in ``dtype`` on ``device``, refused when its weights do not fill the model its config builds
+    (transformers would fill the gaps with random initial values) or hold NaN or infinity."""
     if source.kind == "gguf":
-        model, _ = load_gguf(Path(source.path) / source.gguf_file, dtype)
+        model, info = load_gguf(Path(source.path) / source.gguf_file, dtype)
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model, info = AutoModelForCausalLM.from_pretrained(
                 source.path,
                 dtype=dtype,
                 trust_remote_code=trust_remote_code,
                 use_safetensors=None if allow_pickle else True,
+                output_loading_info=True,
             )
         except OSError as exc:
             raise UserError(f"cannot load the weights of '{source.ref}' ({_first_line(exc)})")
         except ValueError as exc:
             raise UserError(_remote_code_or(exc, source))
+    require_complete(info, source.ref)
+    for name, tensor in model.state_dict().items():
+        require_finite(name, tensor, source.ref)
     return model.to(device).eval()
+
+
+def require_complete(info: dict, ref: str) -> None:
+    """The loading report of ``from_pretrained`` names no weight the model needs that the files lack, or hold
+    in another shape."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise UserError(f"'{ref}' lacks {len(missing)} weight(s) its config needs ({', '.join(missing[:2])}"
+                        f"{', ...' if len(missing) > 2 else ''}): the checkpoint is incomplete or its config names "
+                        "more layers than its weights hold; copy or download it again")
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        name, stored, wanted = mismatched[0][:3] if len(mismatched[0]) >= 3 else (mismatched[0], "?", "?")
+        raise UserError(f"'{ref}' holds '{name}' with shape {list(stored)}, but its config needs {list(wanted)}: the "
+                        "weights and the config do not belong together")
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):

@@ -21,7 +21,7 @@ import os
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +32,8 @@ from safetensors.torch import save_file
 
 from attnsurg import __version__, ui
 from attnsurg.errors import UserError
-from attnsurg.io.save import check_output_path, replace_directory, share_as_umask_allows, write_failure
+from attnsurg.io.guard import check_output_path
+from attnsurg.io.save import refused_writes, replace_directory, share_as_umask_allows, write_failure, write_failure_message
 from attnsurg.io.shards import ShardWriter
 
 STATE_SUFFIX = ".stream-state"
@@ -132,15 +133,17 @@ class LayerCheckpoints:
 
 
 @contextmanager
-def resumable_checkpoint(out: Path, overwrite: bool, fingerprint: str) -> Iterator[LayerCheckpoints]:
+def resumable_checkpoint(out: Path, overwrite: bool, fingerprint: str,
+                         reads: Iterable[Path | str] = ()) -> Iterator[LayerCheckpoints]:
     """The state directory of a streamed run writing ``out``: resumed when it holds this run's checkpoint,
     emptied when it holds nothing usable, refused when it holds another run's (unless ``overwrite``). On
-    success it is completed by the caller, then renamed to ``out``; on failure it stays, to be resumed, when
-    it holds a finished layer."""
+    success it is completed by the caller, then renamed to ``out``; on an interruption it stays, to be resumed,
+    when it holds a finished layer; on a failure that would recur it is removed."""
     out = Path(out)
-    check_output_path(out, overwrite)
+    check_output_path(out, overwrite, reads)
     directory = state_directory(out)
-    directory.mkdir(parents=True, exist_ok=True)
+    with refused_writes(out):
+        directory.mkdir(parents=True, exist_ok=True)
     with held_lock(directory):
         checkpoints = LayerCheckpoints(directory, fingerprint)
         stored = checkpoints.stored_fingerprint()
@@ -152,25 +155,30 @@ def resumable_checkpoint(out: Path, overwrite: bool, fingerprint: str) -> Iterat
         try:
             with sigterm_as_interrupt():
                 yield checkpoints
+            check_output_path(out, overwrite, reads)  # again: the target may have changed during a long run
+            share_as_umask_allows(directory)
+            replace_directory(directory, out)  # the checkpoint goes last: a failed rename can still be resumed
         except BaseException as exc:
             stopped(exc, checkpoints, out)
             raise
-        share_as_umask_allows(directory)
-        replace_directory(directory, out)  # the checkpoint goes last: a failed rename can still be resumed
         LayerCheckpoints(out, fingerprint).clear()
 
 
+RESUMABLE = (KeyboardInterrupt, MemoryError, OSError, SafetensorError)  # what a second run may get past
+
+
 def stopped(exc: BaseException, checkpoints: LayerCheckpoints, out: Path) -> None:
-    """A run that failed or was stopped keeps its state when a layer was finished (and says so), else none."""
-    kept = checkpoints.path.is_file()
-    if not kept:  # not one layer finished: nothing worth resuming
+    """A run that was interrupted (Ctrl-C, SIGTERM, out of memory, a refused write) keeps its state when a layer
+    was finished, and says so; one that failed in a way a rerun would repeat (a bad tensor, a refused setting,
+    a bug) keeps nothing, so no rerun "resumes" into the same failure."""
+    kept = isinstance(exc, RESUMABLE) and not isinstance(exc, UserError) and checkpoints.path.is_file()
+    if not kept:
         shutil.rmtree(checkpoints.directory, ignore_errors=True)
     where = (f"the finished layers are kept in '{checkpoints.directory}'; run the same command again to resume"
              if kept else "nothing was left at that path")
     code = write_failure(exc) if isinstance(exc, (OSError, SafetensorError)) else None
     if code is not None:
-        raise UserError(f"could not write '{out}': {os.strerror(code)} ({where}; free space or choose another "
-                        "output)") from exc
+        raise UserError(write_failure_message(out, code, where)) from exc
     if kept:
         ui.warn(f"stopped; {where}")
 

@@ -9,11 +9,12 @@ renamed into place at the end, so a crash never leaves a half-written checkpoint
 from __future__ import annotations
 
 import errno
+import glob
 import re
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,15 +23,7 @@ from transformers import PreTrainedModel
 
 from attnsurg.errors import UserError
 from attnsurg.io.card import CardInfo, render_card
-
-
-def check_output_path(out: Path, overwrite: bool) -> None:
-    """Refuse an existing target unless ``overwrite``; call it before any long work starts."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output path '{out}' exists and is a file; choose a directory path")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"output directory '{out}' already exists; pass --overwrite to replace it")
+from attnsurg.io.guard import check_output_path
 
 
 def write_checkpoint(
@@ -41,49 +34,67 @@ def write_checkpoint(
     overwrite: bool = False,
     max_shard_size: str | int = "2GB",
     extra_files: Mapping[str, str] | None = None,
+    reads: Iterable[Path | str] = (),
 ) -> Path:
-    """Write a complete checkpoint at ``out`` atomically; returns ``out``."""
-    with staged_checkpoint(out, overwrite) as staging:
+    """Write a complete checkpoint at ``out`` atomically; returns ``out``. ``reads``: what the run read, which
+    ``out`` must not replace (``io.guard``)."""
+    with staged_checkpoint(out, overwrite, reads) as staging:
         model.save_pretrained(staging, max_shard_size=max_shard_size)
         finish_staging(staging, tokenizer, card, extra_files)
     return Path(out)
 
 
 @contextmanager
-def staged_checkpoint(out: Path, overwrite: bool = False) -> Iterator[Path]:
+def staged_checkpoint(out: Path, overwrite: bool = False, reads: Iterable[Path | str] = ()) -> Iterator[Path]:
     """A temporary directory beside ``out`` to write a checkpoint into; on success it gets the umask's modes
     and replaces ``out``, on any failure it is removed and ``out`` is untouched."""
     out = Path(out)
-    check_output_path(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned_staging(out)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{staging_prefix(out)}{os.getpid()}-"))
+    check_output_path(out, overwrite, reads)
+    with refused_writes(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_abandoned_staging(out)
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{staging_prefix(out)}{os.getpid()}-"))
     try:
-        yield staging
-        share_as_umask_allows(staging)
-        replace_directory(staging, out)
-    except (OSError, SafetensorError) as exc:
+        with refused_writes(out):
+            yield staging
+            check_output_path(out, overwrite, reads)  # again: the target may have changed during a long run
+            share_as_umask_allows(staging)
+            replace_directory(staging, out)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        code = write_failure(exc)
-        if code is not None:
-            raise UserError(f"could not write '{out}': {os.strerror(code)} (nothing was left at that path; "
-                            "free space or choose another output)") from exc
-        raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
-WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENOTDIR,
+                  errno.EEXIST, errno.ENAMETOOLONG, errno.EISDIR}
 
 
 def write_failure(exc: BaseException) -> int | None:
-    """The errno of a write the machine refused (full disk, size limit, read-only, no permission), or None.
-    safetensors' Rust writer reports it only in its text: ``... (os error 27)``."""
+    """The errno of a write the machine refused (full disk, size limit, read-only, no permission, a file where
+    a folder is needed, a name too long), or None. safetensors' Rust writer reports it only in its text:
+    ``... (os error 27)``; numpy's ``tofile`` as ``N requested and M written`` (a full disk or a size limit)."""
     code = exc.errno if isinstance(exc, OSError) else None
     if code is None and (found := re.search(r"os error (\d+)", str(exc))):
         code = int(found.group(1))
+    if code is None and re.search(r"\d+ requested and \d+ written", str(exc)):
+        code = errno.EFBIG
     return code if code in WRITE_FAILURES else None
+
+
+def write_failure_message(out: Path, code: int, where: str = "nothing was left at that path") -> str:
+    return f"could not write '{out}': {os.strerror(code)} ({where}; free space or choose another output)"
+
+
+@contextmanager
+def refused_writes(out: Path, where: str = "nothing was left at that path") -> Iterator[None]:
+    """A write the machine refuses becomes one ``UserError`` naming ``out`` (and ``where`` the run's files are);
+    anything else passes through."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        code = write_failure(exc)
+        if code is None:
+            raise
+        raise UserError(write_failure_message(out, code, where)) from exc
 
 
 def staging_prefix(out: Path) -> str:
@@ -93,7 +104,7 @@ def staging_prefix(out: Path) -> str:
 def remove_abandoned_staging(out: Path) -> None:
     """Staging directories beside ``out`` whose writer is gone (killed with SIGKILL, or the machine went down:
     nothing ran to remove them) are removed; a live writer's, and any not named with a process id, are left."""
-    for staging in out.parent.glob(f"{staging_prefix(out)}*"):
+    for staging in out.parent.glob(f"{glob.escape(staging_prefix(out))}*"):
         pid = staging.name.removeprefix(staging_prefix(out)).split("-", 1)[0]
         if staging.is_dir() and pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(staging, ignore_errors=True)

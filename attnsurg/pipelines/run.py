@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
-from attnsurg.heal import HealReport, heal_model, heal_state_dir, process_state, remove_heal_state
+from attnsurg.heal import HealReport, fitted_to_context, heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
 from attnsurg.io.load import resolve_device
-from attnsurg.io.save import check_output_path, write_checkpoint
+from attnsurg.io.guard import check_output_path
+from attnsurg.io.save import write_checkpoint
 from attnsurg.modeling import MODEL_TYPES as ATTNSURG_MODEL_TYPES
 from attnsurg.modeling import MODELING_FILE
 from attnsurg.pipelines.steps import (
@@ -33,7 +34,7 @@ from attnsurg.pipelines.steps import (
     score_domains,
     to_source_dtype,
 )
-from attnsurg.pipelines.job import Job
+from attnsurg.pipelines.job import Job, read_paths
 from attnsurg.pipelines.surgery import run_surgery
 from attnsurg.recipe import Recipe
 from attnsurg.requests import ModelRef
@@ -77,16 +78,19 @@ class HealRunReport:
 def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, device: str = "auto") -> HealRunReport:
     """``attnsurg heal STUDENT --teacher ORIGINAL``: distil, score teacher/before/after, write."""
     settings = recipe.heal
-    check_output_path(recipe.output, overwrite)
     compute = resolve_device(device)
     main = process_state(compute).is_main_process  # before any model moves: each process takes its own GPU
     student_source, student_config, anatomy = inspect_model(recipe.model)
     teacher_source, teacher_config, _ = inspect_model(settings.teacher)
+    reads = read_paths(recipe, student_source, teacher_source)
+    check_output_path(recipe.output, overwrite, reads)
     if student_config.vocab_size != teacher_config.vocab_size:
         raise UserError(
             f"student and teacher vocabularies differ ({student_config.vocab_size} vs {teacher_config.vocab_size}); "
             "heal against the model the student was made from"
         )
+    settings = fitted_to_context(settings, anatomy.max_positions)
+    recipe = recipe.with_heal(settings)
     report = HealRunReport(anatomy)
     domains = domain_texts(recipe.calibration.data, recipe.eval.domains, recipe.eval.tokens)
     if dry_run:
@@ -114,7 +118,8 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, dev
     if anatomy.model_type in ATTNSURG_MODEL_TYPES:
         files[MODELING_FILE.name] = MODELING_FILE.read_text(encoding="utf-8")
     card = heal_card(recipe, report, remote_code=anatomy.model_type in ATTNSURG_MODEL_TYPES)
-    report.written = str(write_checkpoint(student, tokenizer, recipe.output, card, overwrite, extra_files=files))
+    report.written = str(write_checkpoint(student, tokenizer, recipe.output, card, overwrite, extra_files=files,
+                                           reads=reads))
     remove_heal_state(heal_state_dir(recipe.output))
     return report
 

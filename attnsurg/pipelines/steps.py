@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -23,9 +24,10 @@ from attnsurg.eval.perplexity import Tokens, perplexity_of, scoring_windows
 from attnsurg.eval.windows import Window
 from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
-from attnsurg.io.lazy import CheckpointReader, offloaded_model, require_finite
+from attnsurg.io.lazy import CheckpointReader, offloaded_model
 from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_device
-from attnsurg.io.save import check_output_path, finish_staging, write_checkpoint
+from attnsurg.io.guard import check_output_path
+from attnsurg.io.save import finish_staging, write_checkpoint
 from attnsurg.modeling import register as register_attnsurg
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
 from attnsurg.errors import UserError
@@ -52,12 +54,9 @@ def load_source(ref: ModelRef, source) -> tuple[PreTrainedModel, object]:
 
 
 def load_source_model(ref: ModelRef, source) -> PreTrainedModel:
-    """The source model alone, float32 on the CPU, its weights checked finite."""
+    """The source model alone, float32 on the CPU, its weights checked whole and finite (``load_model``)."""
     with ui.status(f"Loading {ref.ref}..."):
-        model = unfused_model(load_model(source, torch.float32, "cpu", ref.trust_remote_code, ref.allow_pickle))
-    for name, tensor in model.state_dict().items():
-        require_finite(name, tensor, ref.ref)
-    return model
+        return unfused_model(load_model(source, torch.float32, "cpu", ref.trust_remote_code, ref.allow_pickle))
 
 
 def window_length(calibration: Calibration, anatomy: AttentionAnatomy) -> int:
@@ -230,7 +229,7 @@ def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: boo
     """Refuse an existing output first (nothing is loaded for a request that cannot be written), seed, load
     the source (without ``load_weights``: its tokenizer only, for a streamed surgery) and cut the calibration
     windows."""
-    check_output_path(job.recipe.output, job.overwrite)
+    check_output_path(job.recipe.output, job.overwrite, job.reads)
     device = surgery_device(job.device, anatomy) if load_weights else resolve_device(job.device)
     fetch_domains(domain_texts(job.recipe.calibration.data, job.recipe.eval.domains, job.recipe.eval.tokens))
     set_seed(job.recipe.seed)
@@ -354,8 +353,7 @@ def operated_once(write: Callable[[Path], None], job: Job) -> PreTrainedModel:
     if state.is_main_process:
         model = saved_operated(shared, made_by)
         if model is None:
-            for stale in (OPERATED_DONE, OPERATED_FAILED, RECIPE_FILE):  # a half-saved model never matches
-                (shared / stale).unlink(missing_ok=True)
+            shutil.rmtree(shared, ignore_errors=True)  # a half-saved model, or another step's: never matches
             try:
                 write(shared)
                 (shared / RECIPE_FILE).write_text(made_by, encoding="utf-8")
@@ -419,7 +417,8 @@ def finish_surgery(
     add_score_rows(info, job, report)
     if report.heal is not None:
         add_healing(info, report.heal, recipe.heal, report.ppl_before)
-    report.written = str(write_checkpoint(result, surgery.tokenizer, job.recipe.output, info, job.overwrite, extra_files=files))
+    report.written = str(write_checkpoint(result, surgery.tokenizer, job.recipe.output, info, job.overwrite, extra_files=files,
+                                           reads=job.reads))
     if recipe.heal is not None:
         remove_heal_state(heal_state_dir(job.recipe.output))
 

@@ -9,6 +9,7 @@ What differs between methods is asked of the method (``methods/base.SurgeryMetho
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,12 +18,13 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg import ui
 from attnsurg.arch.anatomy import AttentionAnatomy
+from attnsurg.heal import fitted_to_context
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.load import layer_readable
 from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.base import StreamTarget, SurgeryInputs, SurgeryReport
-from attnsurg.pipelines.job import Job
+from attnsurg.pipelines.job import Job, read_paths
 from attnsurg.pipelines.steps import (
     Surgery,
     base_model_id,
@@ -58,6 +60,9 @@ def run_surgery(job: Job, dry_run: bool = False) -> SurgeryReport:
     check_calibration(job.recipe.calibration, anatomy, read_text=dry_run)  # a run reads it before the weights load
     if dry_run:
         return report
+    job = replace(job, reads=read_paths(job.recipe, source))
+    if job.recipe.heal is not None:
+        job = replace(job, recipe=job.recipe.with_heal(fitted_to_context(job.recipe.heal, anatomy.max_positions)))
     if not streams(job.settings.stream, job.method.stream_refusal(job.settings, report.plan)):
         return run_loaded(job, source, anatomy, report)
     model = job.recipe.model
@@ -132,7 +137,7 @@ def stream_operation(job: Job, source, surgery: Surgery, reader, config: Pretrai
     surgery_step = job.recipe.model_copy(update={"steps": job.recipe.steps[:1]})  # healing does not change it
     fingerprint = settings_fingerprint(surgery_step.model_dump(mode="json", exclude={"eval"}), surgery.windows,
                                        source.files)
-    with resumable_checkpoint(output, overwrite, fingerprint) as checkpoints:
+    with resumable_checkpoint(output, overwrite, fingerprint, job.reads) as checkpoints:
         target = StreamTarget(checkpoints.directory, dtype, STREAM_SHARD_SIZE, checkpoints)
         label = f"{job.method.progress_label(job.settings)} (streamed)"
         started = time.perf_counter()

@@ -23,7 +23,6 @@ from attnsurg.errors import UserError
 from attnsurg.recipe import (
     CompressStep,
     ConvertStep,
-    Evaluation,
     HealSettings,
     HealStep,
     Recipe,
@@ -47,7 +46,7 @@ def surgery_recipe(model: str | ModelRef, output: str | Path, step, calibration:
 
     default = method_for(step.convert if isinstance(step, ConvertStep) else step.compress).calibration
     return Recipe(model=model, output=Path(output), steps=steps, calibration=calibration or default,
-                  eval=Evaluation(tokens=eval_tokens, domains=list(eval_domains)), seed=seed)
+                  eval={"tokens": eval_tokens, "domains": list(eval_domains)}, seed=seed)
 
 
 def run(recipe: Recipe | str | Path, overwrite: bool = False, device: str = "auto", dry_run: bool = False):

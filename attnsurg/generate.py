@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, TextStreamer
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, TextStreamer
 
 from attnsurg.errors import UserError
 from attnsurg.eval.loading import load_weights, prepare_for_eval
@@ -85,6 +85,20 @@ class TimedStreamer(TextStreamer):
         self.on_text(text)
 
 
+class FiniteScores(LogitsProcessor):
+    """Stops generation at the first step whose logits are not finite (weights that overflow in the dtype):
+    one error line instead of text sampled from NaN."""
+
+    def __init__(self, ref: str, dtype: torch.dtype):
+        self.ref, self.dtype = ref, str(dtype).removeprefix("torch.")
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if not bool(torch.isfinite(scores).any(dim=-1).all()) or bool(torch.isnan(scores).any()):
+            raise UserError(f"'{self.ref}' gives logits that are not finite in {self.dtype}: its activations "
+                            "overflow; run it in float32 (--dtype float32), or check how its weights were made")
+        return scores
+
+
 @torch.inference_mode()
 def run_generate(request: GenerateRequest, on_text: Callable[[str], None] = lambda text: None) -> GenerationReport:
     loaded = prepare_for_eval(request.model, request.device, request.dtype)
@@ -102,6 +116,7 @@ def run_generate(request: GenerateRequest, on_text: Callable[[str], None] = lamb
     start = time.perf_counter()
     output = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=request.max_new_tokens,
                             streamer=streamer, return_dict_in_generate=True,
+                            logits_processor=LogitsProcessorList([FiniteScores(request.model.ref, model.dtype)]),
                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
     end = time.perf_counter()
     new = output.sequences[0, len(ids):].tolist()

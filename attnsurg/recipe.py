@@ -80,6 +80,16 @@ class MLASettings(ConvertSettings):
     short_prompts: float = Field(0.1, ge=0, lt=1)  # share of each calibration window cut into short prompts
 
 
+DEFAULT_RATIO = 0.5  # a compress budget left unset: half of what the method sizes, as convert's --kv-budget 0.5
+
+
+def ratio_unless_ranked(data, rank_fields: tuple[str, ...]):
+    """A step's settings with ``ratio`` at ``DEFAULT_RATIO`` when they name neither a ratio nor a rank."""
+    if isinstance(data, dict) and all(data.get(name) is None for name in ("ratio", *rank_fields)):
+        return {**data, "ratio": DEFAULT_RATIO}
+    return data
+
+
 class CompressSettings(Strict):
     """A ``compress`` step: ``method`` names the method, whose own settings class (a subclass, registered with
     the method in ``attnsurg.methods.base``) holds the rest."""

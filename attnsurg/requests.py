@@ -89,7 +89,14 @@ class TextData(Strict):
     @field_validator("text")
     @classmethod
     def _text_exists(cls, text: Path | None) -> Path | None:
-        if text is not None and not Path(text).expanduser().is_file():
+        if text is None:
+            return text
+        path = Path(text).expanduser()
+        if path.is_dir():
+            raise ValueError(f"'{text}' is a directory; give a UTF-8 text file")
+        if path.exists() and not path.is_file():
+            raise ValueError(f"'{text}' is not a regular file (a device or a pipe); give a UTF-8 text file")
+        if not path.exists():
             raise ValueError(f"text file '{text}' does not exist")
         return text
 

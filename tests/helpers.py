@@ -1,5 +1,5 @@
 """Helpers several test modules share: offline stand-ins for the built-in assets, calibration statistics and
-held-out ids for tiny models, logit comparisons, and the remote-code loading check."""
+held-out ids for tiny models, logit comparisons, the remote-code loading check, and the CLI's user-error check."""
 
 from __future__ import annotations
 
@@ -76,3 +76,13 @@ def remote_code_matches_attnsurg(checkpoint, tmp_path) -> bool:
                    check=True, cwd=tmp_path, env={"HF_HOME": str(tmp_path / "hf"), "PATH": ""})
     with torch.no_grad():
         return torch.equal(load_file(tmp_path / "logits.safetensors")["logits"], ours(ids).logits)
+
+
+def assert_user_error(result, *fragments: str) -> None:
+    """Exit code 2, one error line naming the problem (after any progress messages), no traceback."""
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]

@@ -11,23 +11,13 @@ from typer.testing import CliRunner
 import attnsurg
 from attnsurg.cli import app
 
-from helpers import fake_assets
+from helpers import assert_user_error, fake_assets
 
 runner = CliRunner()
 
 
 def invoke(*args: str):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_user_error(result, *fragments: str) -> None:
-    """Exit code 2, one error line naming the problem (after any progress messages), no traceback."""
-    assert result.exit_code == 2, result.output
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
 
 
 def test_version():

@@ -18,6 +18,7 @@ from attnsurg.cli import app, global_options_first, with_aliases
 
 HELP_CHARS = 60  # an option's help: one line of at most this many characters
 SCREEN_LINES = 60  # a command's whole --help at 100 columns
+TERMINAL = 80  # and at 80 columns, at most 80 lines
 MAX_PANELS = 6  # panels of options in one command's help ("Options", where --help sits, included)
 EXAMPLE_CHARS = 78  # an example line, indent included: 80 columns less the epilog's padding
 COMMON = [("convert",), ("compress",), ("heal",), ("eval", "perplexity"), ("analyze",)]  # named in the brief
@@ -107,6 +108,12 @@ def test_every_summary_is_one_line(path):
 def test_help_fits_one_screen_at_100_columns(path):
     lines = render(path, 100).splitlines()
     assert len(lines) <= SCREEN_LINES, f"{label(path)} --help: {len(lines)} lines at 100 columns"
+
+
+@pytest.mark.parametrize("path", sorted(set(COMMON) | set(COMMANDS)), ids=label)
+def test_help_fits_80_lines_at_80_columns(path):
+    lines = render(path, TERMINAL).splitlines()
+    assert len(lines) <= TERMINAL, f"{label(path)} --help: {len(lines)} lines at {TERMINAL} columns"
 
 
 def test_shared_options_sit_in_the_same_panel_everywhere():

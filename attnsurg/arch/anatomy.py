@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from attnsurg.arch.families import OUTPUT_FAMILIES, SURGERY_FAMILIES
 from attnsurg.errors import UserError
@@ -152,6 +153,25 @@ def check_sizes(config: PretrainedConfig) -> None:
         raise UserError(f"the model's config: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
         raise UserError(f"the model's config: hidden_size {config.hidden_size} does not split into {heads} heads; set head_dim")
+    check_rope_types(config)
+
+
+def rope_types(config: PretrainedConfig) -> list[str]:
+    """Every RoPE type the config names: one, or one per layer type (Gemma 3's ``rope_parameters``)."""
+    found = []
+    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        candidates = params.values() if isinstance(params, dict) and "rope_type" not in params and "type" not in params else [params]
+        found += [str(p.get("rope_type", p.get("type"))) for p in candidates if isinstance(p, dict) and
+                  (p.get("rope_type") or p.get("type"))]
+    return found
+
+
+def check_rope_types(config: PretrainedConfig) -> None:
+    known = {"default", *ROPE_INIT_FUNCTIONS}
+    for kind in rope_types(config):
+        if kind not in known:
+            raise UserError(f"the model's config names RoPE type '{kind}', which transformers does not know; use one of "
+                            f"{', '.join(sorted(known))}")
 
 
 def attention_parameters(model: nn.Module) -> int:

@@ -7,16 +7,34 @@ from __future__ import annotations
 
 import sys
 
+import typer
+
 from attnsurg.cli import (  # noqa: F401  (registers commands)
     analyze, assets, compress, convert, evaluate, export, generate, heal, info, recipes,
 )
-from attnsurg.cli.common import app
+from attnsurg.cli.common import app, print_error
+from attnsurg.errors import UserError
 
 __all__ = ["app", "main"]
 
 
+USAGE_ERROR = typer.BadParameter.__base__  # click's UsageError (typer vendors click; every parsing error is one)
+
+
 def main() -> None:
-    app(args=with_aliases(global_options_first(sys.argv[1:])), prog_name="attnsurg")
+    """The ``attnsurg`` program: a mistyped option or value is one ``error:`` line and exit code 2, as every
+    other user error is, rather than click's usage box."""
+    args = with_aliases(global_options_first(sys.argv[1:]))
+    try:
+        code = app(args=args, prog_name="attnsurg", standalone_mode=False)
+    except USAGE_ERROR as exc:
+        command = exc.ctx.command_path if exc.ctx is not None else "attnsurg"
+        print_error(f"{exc.format_message().rstrip('.')} ('{command} --help' lists what it takes)")
+        sys.exit(UserError.exit_code)
+    except typer.Abort:
+        print_error("interrupted")
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 # One vocabulary: --dataset/--text/--tokens/--seq-len name the text a command reads; the surgery commands read

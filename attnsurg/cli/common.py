@@ -136,6 +136,12 @@ def user_errors(command):
     return wrapper
 
 
+def given_on_command_line(ctx: typer.Context, name: str) -> bool:
+    """Whether the option ``name`` was given, rather than left at its default."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
 def print_error(message: str) -> None:
     """One red ``error:`` line on stderr; the message is never read as markup."""
     ui.console.print(Text.assemble(("error:", "bold red"), f" {message}"), highlight=False, soft_wrap=True)
@@ -149,8 +155,8 @@ def validation_message(exc: ValidationError) -> str:
     """The first problem, named by the option that set it (``--kv-budget``) where there is one."""
     first = exc.errors()[0]
     loc = [str(part) for part in first["loc"]]
-    if len(loc) == 1:
-        loc = [f"--{loc[0].replace('_', '-')}"]
+    if len(loc) == 1 or loc[:1] == ["eval"]:  # eval.tokens is --eval-tokens
+        loc = [f"--{'-'.join(loc).replace('_', '-')}"]
     where = ".".join(loc)
     message = first["msg"].removeprefix("Value error, ")
     return f"{where}: {message}" if where else message
@@ -188,12 +194,12 @@ def quiet_libraries() -> None:
 
 
 TrustRemoteCode = Annotated[
-    bool, typer.Option("--trust-remote-code", help="Allow running code shipped with the checkpoint.",
+    bool, typer.Option("--trust-remote-code", help="Run code the checkpoint ships.",
                        rich_help_panel=OUTPUT)
 ]
-AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights.",
+AllowPickle = Annotated[bool, typer.Option("--allow-pickle", help="Read pickle (.bin) weights.",
                                            rich_help_panel=OUTPUT)]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print a JSON record instead of a table.", rich_help_panel=OUTPUT)]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON, not a table.", rich_help_panel=OUTPUT)]
 # Options every surgery command (convert, compress) shares.
 CalibDataset = Annotated[str, typer.Option("--calib-dataset", help="Built-in texts (comma list) or all.",
                                            rich_help_panel=CALIBRATION)]
@@ -203,25 +209,25 @@ CalibTokens = Annotated[int, typer.Option("--calib-tokens", help="Calibration to
 CalibSeqLen = Annotated[
     int, typer.Option("--calib-seq-len", help="Tokens per calibration window.", rich_help_panel=CALIBRATION)
 ]
-EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Eval-part tokens scored before and after (0: skip).",
+EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Tokens scored before and after (0: skip).",
                                          rich_help_panel=EVALUATION)]
 EvalDomains = Annotated[
     str,
-    typer.Option("--eval-domains", help="Built-in texts also scored: a comma list, all or none.", rich_help_panel=EVALUATION,
-                 show_default=", ".join(EVAL_DOMAINS)),  # spaces: wraps
+    typer.Option("--eval-domains", help="Texts also scored: list, all or none.", rich_help_panel=EVALUATION,
+                 show_default=",".join(d.removesuffix("-sample") for d in EVAL_DOMAINS)),
 ]
 DEFAULT_EVAL_DOMAINS = ",".join(EVAL_DOMAINS)
 EvalDType = Annotated[str, typer.Option("--dtype", help="auto (CPU: fp32), float32, bfloat16, float16.",
                                         rich_help_panel=OUTPUT)]
 EvalDevice = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.", rich_help_panel=OUTPUT)]
-DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.", rich_help_panel=OUTPUT)]
-Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.",
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.", rich_help_panel=OUTPUT)]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an earlier attnsurg output.",
                                          rich_help_panel=OUTPUT)]
-Seed = Annotated[int, typer.Option("--seed", help="Random seed (prompt cuts, fits, healing).", rich_help_panel=OUTPUT)]
-Device = Annotated[str, typer.Option("--device", help="auto (a CUDA GPU if any), cpu, cuda or cuda:N.",
+Seed = Annotated[int, typer.Option("--seed", help="Random seed.", rich_help_panel=OUTPUT)]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.",
                                      rich_help_panel=OUTPUT)]
 PrintRecipe = Annotated[
-    bool, typer.Option("--print-recipe", help="Print this command as a YAML recipe.", rich_help_panel=OUTPUT)
+    bool, typer.Option("--print-recipe", help="Print the command as a recipe.", rich_help_panel=OUTPUT)
 ]
 
 

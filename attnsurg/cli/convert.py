@@ -12,6 +12,7 @@ import typer
 
 from attnsurg.cli.common import (
     CALIBRATION,
+    given_on_command_line,
     DEFAULT_EVAL_DOMAINS,
     PLAN,
     Device,
@@ -63,15 +64,15 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
 def convert(
     model: Annotated[str, typer.Argument(help="Checkpoint directory, .gguf, hub id or built-in name.")],
     ctx: typer.Context,
-    to: Annotated[str, typer.Option("--to", help="Target attention: mla or linear.", rich_help_panel=PLAN)] = MLA.to,
+    to: Annotated[str, typer.Option("--to", help="mla or linear.", rich_help_panel=PLAN)] = MLA.to,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
     kv_budget: Annotated[
-        Optional[float], typer.Option("--kv-budget", help="Share of the KV cache kept per token (default 0.5).",
+        Optional[float], typer.Option("--kv-budget", help="KV cache share kept (default 0.5).",
                                       rich_help_panel=PLAN)
     ] = MLA.kv_budget,
-    kv_rank: Annotated[Optional[int], typer.Option("--kv-rank", help="Latent rank (instead of --kv-budget).",
+    kv_rank: Annotated[Optional[int], typer.Option("--kv-rank", help="Latent rank (not --kv-budget).",
                                                    rich_help_panel=PLAN)] = MLA.kv_rank,
-    rope_dim: Annotated[Optional[int], typer.Option("--rope-dim", help="Dims of the shared RoPE key (even, <= head dim).",
+    rope_dim: Annotated[Optional[int], typer.Option("--rope-dim", help="Shared RoPE key dims (even).",
                                                     rich_help_panel=PLAN)] = MLA.rope_dim,
     rope_layout: Annotated[
         str,
@@ -79,11 +80,11 @@ def convert(
     ] = MLA.rope_layout,
     rope_fold: Annotated[
         Optional[int],
-        typer.Option("--rope-fold", help="Neighbouring frequencies per RoPE pair (FreqFold).", rich_help_panel=PLAN),
+        typer.Option("--rope-fold", help="Frequencies per pair (FreqFold).", rich_help_panel=PLAN),
     ] = MLA.rope_fold,
     split: Annotated[
         str,
-        typer.Option("--split", help="RoPE width: rule, or measured.", rich_help_panel=PLAN),
+        typer.Option("--split", help="RoPE width: rule or measured.", rich_help_panel=PLAN),
     ] = MLA.split,
     format: Annotated[
         str,
@@ -91,11 +92,11 @@ def convert(
     ] = MLA.format,
     nope_width: Annotated[
         str,
-        typer.Option("--nope-width", help="No-RoPE q/k width: latent or head.", rich_help_panel=PLAN),
+        typer.Option("--nope-width", help="No-RoPE width: latent or head.", rich_help_panel=PLAN),
     ] = MLA.nope_width,
     engine: Annotated[
         Optional[str],
-        typer.Option("--engine", help="Checked for: transformers, llama.cpp, vllm, sglang.",
+        typer.Option("--engine", help="transformers, llama.cpp, vllm, sglang.",
                      rich_help_panel=PLAN),
     ] = MLA.engine,
     calib_dataset: CalibDataset = MLA_CALIBRATION.data.dataset,
@@ -129,19 +130,19 @@ def convert(
         float, typer.Option("--short-prompts", help="Window share cut to short prompts.", rich_help_panel=CALIBRATION)
     ] = MLA.short_prompts,
     stream: Annotated[
-        Optional[bool], typer.Option("--stream/--no-stream", help="One source layer in memory (default: when possible).",
+        Optional[bool], typer.Option("--stream/--no-stream", help="One layer in memory (default: if possible).",
                                      rich_help_panel=PLAN)
     ] = MLA.stream,
-    window: Annotated[int, typer.Option("--window", help="Keys of exact softmax attention.",
+    window: Annotated[int, typer.Option("--window", help="Keys of exact attention.",
                                         rich_help_panel=PLAN)] = LINEAR.window,
     sinks: Annotated[int, typer.Option("--sinks", help="First keys of a sequence kept exact (attention sinks).",
                                        hidden=True)] = LINEAR.sinks,
     feature_map: Annotated[str, typer.Option("--feature-map", help="hedgehog (learned) or performer (random, data-free).",
                                              hidden=True)] = LINEAR.feature_map,
-    feature_dim: Annotated[Optional[int], typer.Option("--feature-dim", help="Feature map width per half (default: head dim).",
+    feature_dim: Annotated[Optional[int], typer.Option("--feature-dim", help="Feature width (default: head dim).",
                                                        rich_help_panel=PLAN)] = LINEAR.feature_dim,
     transfer_steps: Annotated[Optional[int], typer.Option(
-        "--transfer-steps", help="Attention-transfer steps per layer (default: 300).",
+        "--transfer-steps", help="Transfer steps per layer (default 300).",
         rich_help_panel=PLAN)] = LINEAR.transfer_steps,
     transfer_lr: Annotated[float, typer.Option("--transfer-lr", help="Attention-transfer learning rate.",
                                                hidden=True, rich_help_panel=PLAN)] = LINEAR.transfer_lr,
@@ -178,11 +179,6 @@ def convert(
                             calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len), None, eval_tokens,
                             eval_domains_from(eval_domains), seed)
     execute(recipe, dry_run, overwrite, print_recipe, json_output, device)
-
-
-def given_on_command_line(ctx: typer.Context, name: str) -> bool:
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def target_settings(to: str, given: dict):

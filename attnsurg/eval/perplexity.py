@@ -159,6 +159,10 @@ def score_windows(
         for batch in groups:
             start = time.perf_counter()
             score.nll += score_batch(model, ids, batch, device, keep_logits)
+            if not math.isfinite(score.nll):
+                dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+                raise UserError(f"{label} gives log-probabilities that are not finite in {dtype}: its activations "
+                                "overflow; score it in float32 (--dtype float32), or check how its weights were made")
             score.seconds += time.perf_counter() - start
             score.tokens += sum(w.scored for w in batch)
             score.tokens_fed += sum(w.length for w in batch)

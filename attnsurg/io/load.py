@@ -11,11 +11,13 @@ import difflib
 import json
 import re
 import shutil
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import StrictDataclassError
@@ -90,6 +92,7 @@ def builtin_models() -> list[str]:
 
 def _resolve_file(ref: str, path: Path) -> ModelSource:
     if path.suffix == ".gguf":
+        _check_gguf(path)
         return ModelSource(ref, "gguf", str(path.parent), path.name)
     raise UserError(
         f"'{ref}' is a file, not a checkpoint; pass the directory that holds config.json, or a .gguf file"
@@ -119,6 +122,26 @@ def _resolve_dir(ref: str, path: Path, allow_pickle: bool, trust_remote_code: bo
     source = ModelSource(ref, "dir", str(path))
     check_checkpoint_tensors(source, trust_remote_code)
     return source
+
+
+GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def _check_gguf(path: Path) -> None:
+    """The GGUF's header and tensor table parse, its tensors lie inside the file, and it holds as many blocks as
+    its ``block_count`` says (transformers would fill missing ones with random initial values)."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except (struct.error, ValueError, IndexError, KeyError, OSError, TypeError, OverflowError) as exc:
+        raise UserError(f"'{path}' is not a readable GGUF file ({_first_line(exc)}); it may be truncated: copy or "
+                        "download it again") from None
+    counts = [field for name, field in reader.fields.items() if name.endswith(".block_count")]
+    blocks = {int(m.group(1)) for tensor in reader.tensors if (m := GGUF_BLOCK.match(tensor.name))}
+    if counts and blocks:
+        count = int(counts[0].parts[counts[0].data[0]][0])
+        if count != len(blocks):
+            raise UserError(f"'{path}' says it has {count} blocks (block_count) but holds {len(blocks)}; copy or "
+                            "download it again")
 
 
 def _check_safetensors(path: Path) -> None:
@@ -157,41 +180,61 @@ LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
 def check_checkpoint_tensors(source: ModelSource, trust_remote_code: bool = False) -> None:
-    """The safetensors headers hold every tensor the config's model needs, in the shape it needs, and no layer
-    past the config's count (transformers would fill a missing tensor with random initial values, or drop the
-    extra layers, without a word): checked on a meta-device model, before any weight is read. Checkpoints whose
-    config cannot be built are left to the loader, which says why, and quantized checkpoints (packed shapes) to
-    their quantizer."""
+    """The safetensors headers hold every tensor the config's model needs, in the shape it needs, and as many
+    layers as the config names (transformers would fill a missing tensor with random initial values, or drop
+    extra layers, without a word): the layer count first, from the names alone, so a config claiming thousands
+    of layers is refused before any model is built; then each tensor against a meta-device model. Checkpoints
+    whose config cannot be built are left to the loader, which says why, pickle weights to its loading report
+    (``require_complete``) and quantized checkpoints (packed shapes) to their quantizer."""
+    held = header_shapes(Path(source.path))
+    if not held:
+        return
     try:
         config = load_config(source, trust_remote_code)
-        if getattr(config, "quantization_config", None):
-            return
+    except UserError:
+        return
+    if getattr(config, "quantization_config", None):
+        return
+    check_layer_count(source.ref, config.num_hidden_layers, held)
+    try:
         model = meta_model(config, trust_remote_code)
-        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    except (UserError, ValueError, TypeError, AttributeError, OSError, RuntimeError):
+    except (ValueError, TypeError, AttributeError, OSError, RuntimeError):
         return
-    held: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    for weights in sorted(Path(source.path).glob("*.safetensors")):
-        with safe_open(str(weights), framework="pt") as f:
-            held.update({name: (weights, tuple(f.get_slice(name).get_shape())) for name in f.keys()})
-    if not held:  # pickle weights: checked by the loader's report (``require_complete``)
-        return
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for name, (weights, shape) in held.items():
         wanted = expected.get(name)
         if wanted is not None and shape != wanted:
             raise UserError(f"'{weights}' holds '{name}' with shape {list(shape)}, but its config.json needs "
                             f"{list(wanted)}: the weights and the config do not belong together; copy or "
                             "download the checkpoint again")
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     missing = sorted(name for name in expected if name not in held and name not in tied)
     if missing:
         raise UserError(f"'{source.ref}' lacks {len(missing)} tensor(s) its config.json needs ({', '.join(missing[:2])}"
-                        f"{', ...' if len(missing) > 2 else ''}): the checkpoint is incomplete or its config names "
-                        "more layers than its weights hold; copy or download it again")
-    layers = config.num_hidden_layers
-    if extra := sorted({int(m.group(1)) for name in held if (m := LAYER_INDEX.search(name))} - set(range(layers))):
-        raise UserError(f"'{source.ref}' holds weights of layer {extra[0]}, but its config.json names {layers} layers; "
+                        f"{', ...' if len(missing) > 2 else ''}): the checkpoint is incomplete; copy or download it "
+                        "again")
+
+
+def header_shapes(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Each tensor the directory's safetensors files hold: its file and shape, read from the headers alone."""
+    held: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for weights in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(weights), framework="pt") as f:
+            held.update({name: (weights, tuple(f.get_slice(name).get_shape())) for name in f.keys()})
+    return held
+
+
+def check_layer_count(ref: str, layers: int, held: dict) -> None:
+    indices = {int(m.group(1)) for name in held if (m := LAYER_INDEX.search(name))}
+    if not indices:
+        return
+    if extra := sorted(indices - set(range(layers))):
+        raise UserError(f"'{ref}' holds weights of layer {extra[0]}, but its config.json names {layers} layers; "
                         "fix num_hidden_layers or copy the checkpoint again")
+    if len(indices) < layers:
+        raise UserError(f"'{ref}' has a config.json naming {layers} layers, but its weights hold {len(indices)}: the "
+                        "config names more layers than its weights hold; fix num_hidden_layers or copy the "
+                        "checkpoint again")
 
 
 def _read_json(path: Path) -> dict:
@@ -258,6 +301,8 @@ def resolve_device(device: str) -> torch.device:
         resolved = torch.device(device)
     except RuntimeError:
         raise UserError(f"unknown device '{device}'; use auto, cpu, cuda or cuda:N")
+    if resolved.type not in ("cpu", "cuda"):
+        raise UserError(f"device '{device}' is not one attnsurg runs on; use auto, cpu, cuda or cuda:N")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device '{device}' requested but no CUDA GPU is available; use --device cpu")
     if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
@@ -324,12 +369,24 @@ def require_complete(info: dict, ref: str) -> None:
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    """The source's tokenizer, refused when its vocabulary is larger than the model's embedding (another model's
+    tokenizer: text would tokenize to ids with no embedding). Tokens added beyond it, such as the end-of-text
+    token transformers adds reading a GGUF, are left alone."""
     try:
         if source.kind == "gguf":
-            return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-        return AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise UserError(f"the tokenizer of '{source.ref}' needs its own code; pass --trust-remote-code if you "
+                            "trust it") from None
         raise UserError(f"'{source.ref}' has no usable tokenizer ({_first_line(exc)}); add tokenizer files to it")
+    vocab = load_config(source, trust_remote_code).vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise UserError(f"the tokenizer of '{source.ref}' has {tokenizer.vocab_size} tokens but the model embeds {vocab}: "
+                        "ids past that have no embedding; use the tokenizer the model was trained with")
+    return tokenizer
 
 
 @contextmanager

@@ -69,6 +69,8 @@ def parse_recipe(text: str, name: str = "<recipe>") -> Recipe:
         where = f"{name}:{mark.line + 1}" if mark else name
         detail = " ".join(str(getattr(exc, "problem", None) or exc).split())  # the reader's errors span lines
         raise UserError(f"{where}: not valid YAML ({detail})") from None
+    except RecursionError:
+        raise UserError(f"{name}: nested too deeply to be a recipe") from None
     if not isinstance(data, dict):
         raise UserError(f"{name}: a recipe is a YAML mapping (model:, output:, steps:, ...)")
     try:

@@ -40,7 +40,7 @@ from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.methods.head_whitening import Whitened, consumer_blocks, module_state, refit_hidden_factor, whiten
 from attnsurg.methods.lowrank import PROJECTIONS, parse_targets, targets_of, unsupported_reason
 from attnsurg.methods.planning import PlanContext, PlannedMethod, Proxy, register_planned
-from attnsurg.recipe import CompressSettings
+from attnsurg.recipe import CompressSettings, ratio_unless_ranked
 
 DECOMPOSERS = {"tucker": tucker, "cp": cp}
 MAX_ITERATIONS = 50
@@ -69,6 +69,11 @@ class HeadTensorSettings(CompressSettings):
     @classmethod
     def _projection_names(cls, value) -> tuple[str, ...]:
         return targets_of(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_budget(cls, data):
+        return ratio_unless_ranked(data, ("ranks", "rank"))
 
     @field_validator("ranks", mode="before")
     @classmethod

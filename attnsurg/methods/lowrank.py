@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import SURGERY_FAMILIES, Family, blocking_features
@@ -41,7 +41,7 @@ from attnsurg.methods.rank_allocation import allocated_ranks
 from attnsurg.methods.base import CardText, CompressMethod, LayerTensors, register_method
 from attnsurg.methods.factorized import factorized_card_text, factorized_record, factorized_text
 from attnsurg.methods.planning import PlanContext, PlannedMethod, Proxy, register_planned
-from attnsurg.recipe import CompressSettings
+from attnsurg.recipe import CompressSettings, ratio_unless_ranked
 
 METRICS = {module.NAME: module for module in (svd, asvd, svdllm)}
 
@@ -182,6 +182,11 @@ class LowRankSettings(CompressSettings):
     @classmethod
     def _projection_names(cls, value) -> tuple[str, ...]:
         return targets_of(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_budget(cls, data):
+        return ratio_unless_ranked(data, ("rank",))
 
 
 def plan_units(anatomy: AttentionAnatomy, targets: tuple[str, ...], kv_latent: bool) -> list[Unit]:

@@ -223,6 +223,7 @@ class Surgery:
     windows: torch.Tensor
     started: float
     device: torch.device
+    calibration: Calibration  # as read: its tokens those the windows hold (``calibration_read``)
 
 
 def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: bool = True) -> Surgery:
@@ -238,7 +239,18 @@ def start_surgery(job: Job, source, anatomy: AttentionAnatomy, load_weights: boo
     tokenizer = load_tokenizer(source, job.recipe.model.trust_remote_code)
     windows = source_windows(tokenizer, job.recipe.calibration, anatomy)  # a text too short fails before the weights load
     model = load_source_model(job.recipe.model, source) if load_weights else None
-    return Surgery(family, model, tokenizer, windows, started, device)
+    return Surgery(family, model, tokenizer, windows, started, device, calibration_read(job.recipe.calibration, windows))
+
+
+def calibration_read(asked: Calibration, windows: torch.Tensor) -> Calibration:
+    """The calibration as read: a text shorter than ``tokens`` gives fewer, which is said once and is what the
+    card and the method are told."""
+    read, length = windows.numel(), windows.shape[1]
+    if read >= asked.tokens // length * length:  # whole windows, as asked
+        return asked
+    ui.warn(f"the calibration text gives {read:,} tokens in windows of {length}, fewer than the "
+            f"{asked.tokens:,} asked (--calib-tokens); calibrating on those {read:,}")
+    return asked.model_copy(update={"tokens": read})
 
 
 def streams(asked: bool | None, refusal: str | None) -> bool:

@@ -25,6 +25,7 @@ from attnsurg.io.load import layer_readable
 from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.base import StreamTarget, SurgeryInputs, SurgeryReport
 from attnsurg.pipelines.job import Job, read_paths
+from attnsurg.requests import Calibration
 from attnsurg.pipelines.steps import (
     Surgery,
     base_model_id,
@@ -79,12 +80,12 @@ def run_loaded(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryRepor
         model = operate(surgery, job, report)
     else:
         model = operated_once(lambda shared: operate(surgery, job, report).save_pretrained(shared), job)
-    finish_surgery(surgery, model, job, anatomy, report, lambda: card(job, report), job.method.extra_files())
+    finish_surgery(surgery, model, job, anatomy, report, lambda: card(job, report, surgery.calibration), job.method.extra_files())
     return report
 
 
 def inputs_of(surgery: Surgery, job: Job) -> SurgeryInputs:
-    return SurgeryInputs(surgery.family, surgery.windows, job.recipe.calibration, surgery.device, job.recipe.seed)
+    return SurgeryInputs(surgery.family, surgery.windows, surgery.calibration, surgery.device, job.recipe.seed)
 
 
 def operate(surgery: Surgery, job: Job, report: SurgeryReport) -> PreTrainedModel:
@@ -102,7 +103,7 @@ def run_streamed(job: Job, source, anatomy: AttentionAnatomy, report: SurgeryRep
     surgery, config, dtype, reader = start_streamed(job, source, anatomy)
 
     def finish(staging: Path, written: PretrainedConfig) -> None:
-        finish_streamed(staging, written, source, surgery, job, report, lambda: card(job, report),
+        finish_streamed(staging, written, source, surgery, job, report, lambda: card(job, report, surgery.calibration),
                         job.method.extra_files())
 
     stream_operation(job, source, surgery, reader, config, report, job.recipe.output, dtype, job.overwrite, finish)
@@ -124,7 +125,7 @@ def run_streamed_then_healed(job: Job, source, anatomy: AttentionAnatomy, report
     model = operated_once(write, job)
     surgery.model = load_source_model(job.recipe.model, source)
     surgery.device = surgery_device(job.device, anatomy)
-    finish_surgery(surgery, model, job, anatomy, report, lambda: card(job, report), job.method.extra_files())
+    finish_surgery(surgery, model, job, anatomy, report, lambda: card(job, report, surgery.calibration), job.method.extra_files())
     return report
 
 
@@ -148,9 +149,9 @@ def stream_operation(job: Job, source, surgery: Surgery, reader, config: Pretrai
         finish(target.directory, written)
 
 
-def card(job: Job, report: SurgeryReport) -> CardInfo:
-    """The method's card text, with the model and the command."""
-    text = job.method.card_text(job.settings, report, job.recipe.calibration, healing_note(report))
+def card(job: Job, report: SurgeryReport, calibration: Calibration) -> CardInfo:
+    """The method's card text (``calibration`` as read), with the model and the command."""
+    text = job.method.card_text(job.settings, report, calibration, healing_note(report))
     return CardInfo(
         title=f"{job.recipe.model.ref} {text.title}",
         summary=text.summary,

@@ -170,6 +170,15 @@ class Linear(SurgeryMethod):
     def name_of(self, settings: LinearSettings) -> str:
         return settings.to
 
+    def check_calibration(self, settings: LinearSettings, calibration: Calibration) -> None:
+        """The feature maps learn from the keys older than the exact part (window and sinks): a calibration
+        window no longer than that part has none, and training would leave the maps as they started."""
+        exact = settings.window + settings.sinks
+        if settings.steps and exact >= calibration.seq_len:
+            raise UserError(f"--window {settings.window} (with {settings.sinks} sinks) covers every calibration window "
+                            f"of {calibration.seq_len} tokens, so the feature maps would learn nothing; raise "
+                            f"--calib-seq-len above {exact} (e.g. {2 * exact}) or lower --window")
+
     def step_label(self, settings: LinearSettings) -> str:
         return f"convert to linear (window {settings.window})"
 

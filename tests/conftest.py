@@ -6,6 +6,7 @@ Nothing here downloads anything; tests that need the real demo assets use the ``
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -175,8 +176,12 @@ def wiki_text() -> Path:
 
 def assert_streamed_like_loaded(loaded: Path, streamed: Path) -> None:
     """A streamed checkpoint has the loaded one's files and the same card, parameter rows and loading snippet
-    included, plus its note that it was written one layer at a time."""
+    included, plus its note that it was written one layer at a time; both name the causal LM class engines
+    dispatch on (``architectures``)."""
     assert {p.name for p in loaded.iterdir()} == {p.name for p in streamed.iterdir()}
+    architectures = [json.loads((path / "config.json").read_text()).get("architectures") for path in (loaded, streamed)]
+    assert architectures[0] == architectures[1] and len(architectures[0]) == 1, architectures
+    assert architectures[0][0].endswith("ForCausalLM"), architectures
     cards = {path: (path / "README.md").read_text() for path in (loaded, streamed)}
     assert "written one decoder layer at a time" in cards[streamed]
     for fragment in ("| attention parameters |", "| parameters in all |", "trust_remote_code=True"):

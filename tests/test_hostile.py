@@ -106,8 +106,9 @@ def parent_is_an_attnsurg_output(s: Setup) -> None:
     s.as_attnsurg_output(s.tmp)
 
 
-def nothing(s: Setup) -> None:
-    pass
+def as_given(s: Setup) -> None:
+    """The copies as they are, and a text too short for a window beside them."""
+    (s.tmp / "short.txt").write_text("A few words.")
 
 
 def overflowing_weights(s: Setup) -> None:
@@ -172,20 +173,20 @@ CASES: dict[str, tuple[Callable[[Setup], None], list[str], str]] = {
     "compress over a folder the user keeps": (users_folder,
                                               ["compress", "{model}", *SVD, "{calib}", "-o", "{tmp}/mine",
                                                "--overwrite"], "attnsurg did not write"),
-    "heal over its teacher": (nothing, ["heal", "{model}", "--teacher", "{teacher}", "--text", "{corpus}",
+    "heal over its teacher": (as_given, ["heal", "{model}", "--teacher", "{teacher}", "--text", "{corpus}",
                                         "--tokens", "128", "--seq-len", "32", "--eval-tokens", "0", "-o", "{teacher}",
                                         "--overwrite"], "which this command reads"),
-    "heal over its training text": (nothing, ["heal", "{model}", "--teacher", "{teacher}", "--text", "{corpus}",
+    "heal over its training text": (as_given, ["heal", "{model}", "--teacher", "{teacher}", "--text", "{corpus}",
                                               "--tokens", "128", "--seq-len", "32", "--eval-tokens", "0", "-o",
                                               "{corpus_dir}", "--overwrite"], "which this command reads"),
     "analyze over its source": (source_is_an_attnsurg_output,
                                 ["analyze", "{model}", "--text", "{corpus}", "-o", "{model}", "--overwrite"],
                                 "which this command reads"),
-    "export over a weights file of its source": (nothing, ["export", "{model}", "--gguf", "{model}/model.safetensors",
+    "export over a weights file of its source": (as_given, ["export", "{model}", "--gguf", "{model}/model.safetensors",
                                                            "--overwrite"], "not a file attnsurg exported"),
     "export over a file the user keeps": (users_file, ["export", "{model}", "--gguf", "{tmp}/notes.gguf",
                                                        "--overwrite"], "not a file attnsurg exported"),
-    "export into a folder": (nothing, ["export", "{model}", "--gguf", "{corpus_dir}"], "is a directory"),
+    "export into a folder": (as_given, ["export", "{model}", "--gguf", "{corpus_dir}"], "is a directory"),
     # a checkpoint that is not whole, on every loaded path
     "a missing tensor, loaded": (missing_tensor, ["compress", "{model}", *SVD, "{calib}", "--no-stream", "-o",
                                                   "{tmp}/out"], "lacks 1 tensor"),
@@ -216,16 +217,19 @@ CASES: dict[str, tuple[Callable[[Setup], None], list[str], str]] = {
     "NaN weights, exported": (nan_weights, ["export", "{model}", "--gguf", "{tmp}/m.gguf", "--tokenizer-pre", "gpt-2"],
                               "NaN or infinite"),
     # settings that would write a broken or untrained model
-    "heal with an infinite learning rate": (nothing, ["heal", "{model}", "--teacher", "{teacher}", "--lr", "inf",
+    "heal with an infinite learning rate": (as_given, ["heal", "{model}", "--teacher", "{teacher}", "--lr", "inf",
                                                       "-o", "{tmp}/out"], "finite number"),
-    "heal past the model's context": (nothing, ["heal", "{model}", "--teacher", "{teacher}", "--text", "{corpus}",
+    "heal on a text shorter than one window": (
+        as_given, ["heal", "{model}", "--teacher", "{teacher}", "--text", "{tmp}/short.txt", "--seq-len", "64", "-o",
+                  "{tmp}/out"], "fewer than one window of 64"),
+    "heal past the model's context": (as_given, ["heal", "{model}", "--teacher", "{teacher}", "--text", "{corpus}",
                                                 "--seq-len", "100000", "-o", "{tmp}/out"], "past the model's context"),
-    "a budget that is not a number": (nothing, ["convert", "{model}", "--kv-budget", "nan", "-o", "{tmp}/out"],
+    "a budget that is not a number": (as_given, ["convert", "{model}", "--kv-budget", "nan", "-o", "{tmp}/out"],
                                       "finite number"),
-    "a linear window as long as the calibration windows": (nothing, ["convert", "{model}", "--to", "linear",
+    "a linear window as long as the calibration windows": (as_given, ["convert", "{model}", "--to", "linear",
                                                                      "--window", "64", "{calib}", "-o", "{tmp}/out"],
                                                            "feature maps would learn nothing"),
-    "an unknown llama.cpp pre-tokenizer": (nothing, ["export", "{model}", "--gguf", "{tmp}/m.gguf", "--tokenizer-pre",
+    "an unknown llama.cpp pre-tokenizer": (as_given, ["export", "{model}", "--gguf", "{tmp}/m.gguf", "--tokenizer-pre",
                                                      "my-own"], "not a pre-tokenizer llama.cpp knows"),
     "weights that overflow float16, scored": (overflowing_weights, ["eval", "perplexity", "{model}", "--text",
                                                                      "{corpus}", "--max-length", "32", "--dtype",
@@ -245,16 +249,16 @@ CASES: dict[str, tuple[Callable[[Setup], None], list[str], str]] = {
                                               ["eval", "perplexity", "{tmp}/model.gguf", "--text", "{corpus}",
                                                "--max-length", "32"], "says it has 5 blocks"),
     # options named for what they are
-    "--eval-tokens below zero, compress": (nothing, ["compress", "{model}", "--eval-tokens", "-1", "-o", "{tmp}/out"],
+    "--eval-tokens below zero, compress": (as_given, ["compress", "{model}", "--eval-tokens", "-1", "-o", "{tmp}/out"],
                                            "--eval-tokens:"),
-    "--eval-tokens below zero, heal": (nothing, ["heal", "{model}", "--teacher", "{teacher}", "--eval-tokens", "-1",
+    "--eval-tokens below zero, heal": (as_given, ["heal", "{model}", "--teacher", "{teacher}", "--eval-tokens", "-1",
                                                  "-o", "{tmp}/out"], "--eval-tokens:"),
     # the environment
-    "a device torch has but attnsurg does not run on": (nothing, ["convert", "{model}", "{calib}", "--device", "xpu",
+    "a device torch has but attnsurg does not run on": (as_given, ["convert", "{model}", "{calib}", "--device", "xpu",
                                                                   "-o", "{tmp}/out"], "not one attnsurg runs on"),
-    "a directory as the calibration text": (nothing, ["convert", "{model}", "--calib-text", "{tmp}", "-o",
+    "a directory as the calibration text": (as_given, ["convert", "{model}", "--calib-text", "{tmp}", "-o",
                                                       "{tmp}/out"], "is a directory"),
-    "/dev/null as the calibration text": (nothing, ["convert", "{model}", "--calib-text", "/dev/null", "-o",
+    "/dev/null as the calibration text": (as_given, ["convert", "{model}", "--calib-text", "/dev/null", "-o",
                                                     "{tmp}/out"], "not a regular file"),
 }
 

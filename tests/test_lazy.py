@@ -79,3 +79,19 @@ def test_an_offloaded_model_computes_the_loaded_ones_logits_in_float32(variant, 
         torch.testing.assert_close(got, loaded(ids).logits, rtol=0, atol=0)
     assert got.dtype == torch.float32 and execution_device(offloaded) == torch.device("cpu")
     assert all(p.device.type == "meta" for p in offloaded.model.layers.parameters())
+
+
+def test_a_checkpoint_that_fits_is_scored_loaded_whole_and_one_that_does_not_is_offloaded(tiny_checkpoints, monkeypatch):
+    """``scoring_model``: the same logits either way; loaded whole (no disk read per forward) when it fits in a
+    share of the free memory, a module at a time when it does not."""
+    import attnsurg.io.lazy as lazy
+
+    path = tiny_checkpoints["llama-gqa"]
+    whole = lazy.scoring_model(path)
+    monkeypatch.setattr(lazy, "IN_MEMORY_SHARE", 0.0)
+    offloaded = lazy.scoring_model(path)
+    assert not hasattr(whole, lazy.OFFLOADED) and hasattr(offloaded, lazy.OFFLOADED)
+    assert lazy.float32_bytes(CheckpointReader(path)) == 4 * sum(p.numel() for p in whole.parameters())
+    ids = torch.randint(0, whole.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, whole(ids).logits, rtol=0, atol=0)

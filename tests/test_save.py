@@ -233,3 +233,22 @@ def test_kill_9_while_a_checkpoint_is_written_leaves_the_previous_one_and_a_reru
     result = CliRunner().invoke(app, [*command, "--overwrite"])
     assert result.exit_code == 0, result.output
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("name", ["out", "k [x]", "a*b?"])
+def test_a_dead_writers_staging_is_removed_whatever_the_output_is_named(tiny, tmp_path, name):
+    """A staging directory left by a writer killed with SIGKILL (its process id is gone) is removed by the next
+    write beside it, glob characters in the output's name included; a live writer's is left."""
+    import os
+
+    from attnsurg.io.save import staging_prefix
+
+    model, tokenizer = tiny
+    out = tmp_path / name
+    dead = tmp_path / f"{staging_prefix(out)}999999999-abc"
+    live = tmp_path / f"{staging_prefix(out)}{os.getpid()}-abc"
+    for staging in (dead, live):
+        staging.mkdir()
+        (staging / "model.safetensors").write_bytes(b"half")
+    write_checkpoint(model, tokenizer, out, CARD)
+    assert not dead.exists() and live.is_dir() and (out / "config.json").is_file()

@@ -73,7 +73,7 @@ def compress(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output checkpoint directory.")] = None,
     targets: Annotated[Optional[str], typer.Option("--targets", help="Projections to factorize, from q,k,v,o (default all).",
                                                    rich_help_panel=PLAN)] = None,
-    ratio: Annotated[Optional[float], typer.Option("--ratio", help="Share of the targeted parameters kept, in (0, 1].",
+    ratio: Annotated[Optional[float], typer.Option("--ratio", help="Share of parameters kept (default 0.5).",
                                                    rich_help_panel=PLAN)] = None,
     rank: Annotated[Optional[int], typer.Option("--rank", help="One rank for every projection (instead of --ratio).",
                                                 rich_help_panel=PLAN)] = None,

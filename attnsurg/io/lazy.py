@@ -7,6 +7,7 @@ read from its shard when it is needed and freed after, the rest of the model nev
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -162,6 +163,31 @@ def offloaded_model(path: Path, device: torch.device | None = None, dtype: torch
     model.load_state_dict(resident, strict=False, assign=True)
     setattr(model, OFFLOADED, device)
     return model.eval()
+
+
+IN_MEMORY_SHARE = 0.25  # a checkpoint is scored loaded whole when in float32 it takes at most this share of free memory
+
+
+def scoring_model(path: Path, device: torch.device | None = None) -> nn.Module:
+    """A checkpoint directory as a model to score: loaded whole in float32 when it fits easily in the free
+    memory of the CPU it is scored on (each forward then reads nothing from disk), else ``offloaded_model``, one
+    large module at a time. The logits are the same either way."""
+    import psutil
+    from transformers import AutoModelForCausalLM
+
+    device = device or torch.device("cpu")
+    if device.type == "cpu" and float32_bytes(CheckpointReader(Path(path))) <= IN_MEMORY_SHARE * psutil.virtual_memory().available:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return offloaded_model(path, device)
+
+
+def float32_bytes(reader: CheckpointReader) -> int:
+    """What the checkpoint's tensors take in float32, from the safetensors headers alone."""
+    total = 0
+    for filename in sorted(set(reader.weight_map.values())):
+        with safe_open(str(reader.path / filename), framework="pt") as f:
+            total += sum(4 * math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
 
 
 def stored_prefix(reader: CheckpointReader, model: nn.Module, module: str) -> str:

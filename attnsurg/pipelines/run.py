@@ -10,11 +10,19 @@ from dataclasses import dataclass, field
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
-from attnsurg.heal import HealReport, fitted_to_context, heal_model, heal_state_dir, process_state, remove_heal_state
+from attnsurg.heal import (
+    HealReport,
+    fitted_to_context,
+    heal_model,
+    heal_state_dir,
+    process_state,
+    remove_heal_state,
+    training_windows,
+)
 from attnsurg.info import inspect_model
 from attnsurg.io.card import CardInfo
 from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
-from attnsurg.io.load import resolve_device
+from attnsurg.io.load import load_tokenizer, resolve_device
 from attnsurg.io.guard import check_output_path
 from attnsurg.io.save import write_checkpoint
 from attnsurg.modeling import MODEL_TYPES as ATTNSURG_MODEL_TYPES
@@ -96,6 +104,8 @@ def run_heal(recipe: Recipe, dry_run: bool = False, overwrite: bool = False, dev
     if dry_run:
         return report
     fetch_domains(domains)
+    training_windows(load_tokenizer(student_source, recipe.model.trust_remote_code), settings.data,
+                     settings.seq_len)  # a text that cannot train is refused before the models load
     started = time.perf_counter()
     student, tokenizer = load_source(recipe.model, student_source)
     teacher, _ = load_source(settings.teacher, teacher_source)

@@ -24,7 +24,7 @@ from attnsurg.eval.perplexity import Tokens, perplexity_of, scoring_windows
 from attnsurg.eval.windows import Window
 from attnsurg.heal import heal_model, heal_state_dir, process_state, remove_heal_state
 from attnsurg.io.card import CardInfo
-from attnsurg.io.lazy import CheckpointReader, offloaded_model
+from attnsurg.io.lazy import OFFLOADED, CheckpointReader, scoring_model
 from attnsurg.io.load import DTYPES, load_config, load_model, load_tokenizer, resolve_device
 from attnsurg.io.guard import check_output_path
 from attnsurg.io.save import finish_staging, write_checkpoint
@@ -289,15 +289,21 @@ def generation_config(source_path: str, config) -> GenerationConfig:
 def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: Surgery, job: Job, report,
                     card: Callable[[], CardInfo], extra_files: dict[str, str] | None = None) -> None:
     """Config, generation settings, tokenizer, card and recipe beside the streamed shards; the source and the
-    staged output scored before and after on the same windows, each read a module at a time."""
+    staged output scored before and after on the same windows, each loaded whole where it fits easily in memory
+    and read a module at a time where it does not (``io.lazy.scoring_model``)."""
     written.save_pretrained(staging)
     generation_config(source.path, written).save_pretrained(staging)
     recipe = job.recipe
     texts = scored_texts(surgery.tokenizer, job, report.anatomy)
+    offloaded = False
     if texts:
-        before = perplexities(offloaded_model(Path(source.path), surgery.device), texts, "the source")
-        after = perplexities(offloaded_model(staging, surgery.device), texts, "the result")
-        record_scores(report, texts, before, after)
+        scores = []
+        for label, path in (("the source", Path(source.path)), ("the result", staging)):
+            model = scoring_model(path, surgery.device)  # one model in memory at a time
+            offloaded |= hasattr(model, OFFLOADED)
+            scores.append(perplexities(model, texts, label))
+            del model
+        record_scores(report, texts, *scores)
     info = card()
     info.license = info.license or source_license(recipe.model.ref)
     info.remote_code = bool(getattr(written, "auto_map", None))
@@ -308,7 +314,7 @@ def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: S
                                       surgery.family.attention_attr)  # counted on the meta device: nothing allocated
     add_score_rows(info, job, report)
     info.details.append("written one decoder layer at a time (`--stream`)"
-                        + ("; scored with one module of each model in memory at a time" if texts else ""))
+                        + ("; scored with one module of each model in memory at a time" if offloaded else ""))
     finish_staging(staging, surgery.tokenizer, info, {RECIPE_FILE: dump_recipe(recipe), **(extra_files or {})})
 
 

@@ -77,6 +77,7 @@ def deepseek_config(source: PreTrainedModel | PretrainedConfig, plan: MLAPlan, i
         eos_token_id=c.eos_token_id,
         pad_token_id=getattr(c, "pad_token_id", None),
         dtype=str(dtype or "float32").removeprefix("torch."),
+        architectures=[DeepseekV3ForCausalLM.__name__],  # engines (vLLM, SGLang, TGI) dispatch on it
     )
 
 

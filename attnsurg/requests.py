@@ -150,7 +150,9 @@ class PerplexityEval(Strict):
         return self
 
 
-TASK_NAMES = ("facts", "cloze", "passkey")
+TASK_NAMES = ("facts", "cloze", "passkey", "retrieval")
+DEFAULT_TASKS = ("facts", "cloze", "passkey")  # retrieval takes minutes a model: asked for by name
+RETRIEVAL_VARIANTS = ("multikey", "single", "multivalue", "tracking")
 
 
 class TasksEval(Strict):
@@ -158,12 +160,16 @@ class TasksEval(Strict):
     on the same items."""
 
     models: list[ModelRef] = Field(min_length=1)
-    tasks: list[Literal["facts", "cloze", "passkey"]] = Field(default_factory=lambda: list(TASK_NAMES))
+    tasks: list[Literal["facts", "cloze", "passkey", "retrieval"]] = Field(default_factory=lambda: list(DEFAULT_TASKS))
     lm_eval: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks, run by the harness.")
     lm_eval_include: Path | None = Field(None, description="A folder of extra lm-evaluation-harness task YAML files.")
     limit: int | None = Field(None, gt=0, description="At most this many items per task (facts, cloze, lm-eval).")
     cloze_items: int = Field(300, gt=0)
     passkey_lengths: list[int] | None = None
+    retrieval_lengths: list[int] | None = None  # None: 1024, 2048, ... and the model's whole context
+    retrieval_questions: int = Field(80, gt=0, description="Questions per length and variant.")
+    retrieval_variants: list[Literal["multikey", "single", "multivalue", "tracking"]] = Field(
+        default_factory=lambda: ["multikey"], min_length=1)
     max_length: int = Field(2048, gt=1, description="Longest input for log-likelihood items (left-truncated).")
     dtype: DType = "auto"
     device: str = "auto"
@@ -171,7 +177,8 @@ class TasksEval(Strict):
     @model_validator(mode="after")
     def _something_to_run(self) -> TasksEval:
         if not self.tasks and not self.lm_eval:
-            raise ValueError("no task to run: name built-in tasks (facts, cloze, passkey) or lm-evaluation-harness tasks")
+            raise ValueError("no task to run: name built-in tasks (facts, cloze, passkey, retrieval) or "
+                             "lm-evaluation-harness tasks")
         return self
 
 

@@ -220,7 +220,7 @@ DEFAULT_EVAL_DOMAINS = ",".join(EVAL_DOMAINS)
 EvalDType = Annotated[str, typer.Option("--dtype", help="auto (CPU: fp32), float32, bfloat16, float16.",
                                         rich_help_panel=OUTPUT)]
 EvalDevice = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.", rich_help_panel=OUTPUT)]
-DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.", rich_help_panel=OUTPUT)]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan, write nothing.", rich_help_panel=OUTPUT)]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an earlier attnsurg output.",
                                          rich_help_panel=OUTPUT)]
 Seed = Annotated[int, typer.Option("--seed", help="Random seed.", rich_help_panel=OUTPUT)]

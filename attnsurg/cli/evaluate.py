@@ -170,19 +170,30 @@ def eval_tasks(
         Optional[str], typer.Option("--passkey-lengths", help="Passkey prompt lengths (default: 512, 1024, ...).",
                                     rich_help_panel=EVALUATION)
     ] = None,
+    retrieval_lengths: Annotated[
+        Optional[str], typer.Option("--retrieval-lengths", help="Retrieval lengths (default: 1024 to the context).",
+                                    rich_help_panel=EVALUATION)
+    ] = None,
+    retrieval_questions: Annotated[int, typer.Option("--retrieval-questions", help="Retrieval questions per length.",
+                                                     rich_help_panel=EVALUATION)] = 80,
+    retrieval_variants: Annotated[str, typer.Option(
+        "--retrieval-variants", help="multikey, single, multivalue, tracking (a list).",
+        rich_help_panel=EVALUATION)] = "multikey",
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",
     json_output: JsonFlag = False,
     trust_remote_code: TrustRemoteCode = False,
     allow_pickle: AllowPickle = False,
 ) -> None:
-    """Zero-shot tasks (facts, cloze, passkey) and the share of answers kept."""
+    """Zero-shot tasks (facts, cloze, passkey, retrieval) and the answers kept."""
     from attnsurg.eval.tasks import parse_tasks, run_tasks
     from attnsurg.requests import ModelRef, TasksEval
 
     chosen = parse_tasks(tasks)
     if passkey_lengths and "passkey" not in chosen:
         raise UserError("--passkey-lengths applies to the passkey task; add it to --tasks")
+    if retrieval_lengths and "retrieval" not in chosen:
+        raise UserError("--retrieval-lengths applies to the retrieval task; add it to --tasks")
     if lm_eval_include and not lm_eval:
         raise UserError("--lm-eval-include adds task files for --lm-eval; name the tasks with --lm-eval")
 
@@ -193,6 +204,9 @@ def eval_tasks(
         lm_eval_include=lm_eval_include,
         limit=limit,
         passkey_lengths=parse_int_list(passkey_lengths, "--passkey-lengths") if passkey_lengths else None,
+        retrieval_lengths=parse_int_list(retrieval_lengths, "--retrieval-lengths") if retrieval_lengths else None,
+        retrieval_questions=retrieval_questions,
+        retrieval_variants=[v.strip() for v in retrieval_variants.split(",") if v.strip()],
         dtype=dtype,
         device=device,
     )
@@ -204,6 +218,8 @@ def eval_tasks(
         out.print(tasks_table(report))
     if "passkey" in report.tasks:
         out.print(passkey_table(report))
+    if "retrieval" in report.tasks:
+        out.print(retrieval_table(report))
     if report.lm_eval:
         out.print(harness_table(report))
 
@@ -224,6 +240,7 @@ TASK_COLUMNS = {  # (task, metric) -> column title
     ("cloze", "acc"): "cloze acc",
     ("cloze", "ppl"): "cloze ppl",
     ("passkey", "acc"): "passkey",
+    ("retrieval", "acc"): "retrieval",
 }
 
 
@@ -285,6 +302,27 @@ def passkey_table(report) -> Table:
     for model in report.models:
         by_length = model.results["passkey"].details["acc_by_length"]
         table.add_row(model.model, *(f"{by_length[n]:.1f}" for n in lengths))
+    return table
+
+
+def retrieval_table(report) -> Table:
+    """Per length: the share of questions answered, its standard error and (beside the first model) the share
+    of the first model's right answers kept."""
+    first = report.models[0].results["retrieval"].details
+    rows = list(first["acc_by_length"])
+    table = Table(title=f"Retrieval by prompt length ({first['questions_by_length'][rows[0]]} questions each; "
+                        "rate ± standard error)", title_justify="left")
+    table.add_column("model")
+    for row in rows:
+        table.add_column(row if not row.isdigit() else f"{int(row):,}", justify="right")
+    for index, model in enumerate(report.models):
+        details = model.results["retrieval"].details
+        cells = []
+        for row in rows:
+            cell = f"{details['acc_by_length'][row]:.2f} ± {details['stderr_by_length'][row]:.2f}"
+            kept = model.retained.get("retrieval", {}).get(f"acc {row}")
+            cells.append(cell if index == 0 or kept is None else ui.described(cell, f"keeps {kept_text(kept)}"))
+        table.add_row(model.model, *cells)
     return table
 
 

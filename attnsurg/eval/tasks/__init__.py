@@ -1,4 +1,4 @@
-"""``attnsurg eval tasks``: zero-shot downstream tasks (facts, cloze, passkey, and any lm-evaluation-harness
+"""``attnsurg eval tasks``: zero-shot downstream tasks (facts, cloze, passkey, retrieval, and any lm-evaluation-harness
 task through the optional harness), every model on the same items, one model in memory at a time, with
 "retained" figures against the first model."""
 
@@ -14,6 +14,7 @@ from attnsurg.eval.tasks.base import TaskResult, retained
 from attnsurg.eval.tasks.cloze import load_cloze_items, score_cloze
 from attnsurg.eval.tasks.facts import load_fact_items, score_facts
 from attnsurg.eval.tasks.harness import check_harness_tasks, run_harness
+from attnsurg.eval.tasks import retrieval
 from attnsurg.eval.tasks.passkey import check_lengths, default_lengths, passkey_items, score_passkey
 from attnsurg.requests import TasksEval
 
@@ -54,6 +55,21 @@ def passkey_lengths(request: TasksEval, config) -> list[int]:
     return lengths
 
 
+def retrieval_lengths(request: TasksEval, config) -> list[int]:
+    limit = getattr(config, "max_position_embeddings", None) or 2048
+    lengths = request.retrieval_lengths or retrieval.default_lengths(limit)
+    retrieval.check_lengths(lengths, limit)
+    return lengths
+
+
+def check_lengths_of(request: TasksEval, config) -> None:
+    """The lengths the long-context tasks asked for fit the model's context (before any weights load)."""
+    if "passkey" in request.tasks:
+        passkey_lengths(request, config)
+    if "retrieval" in request.tasks:
+        retrieval_lengths(request, config)
+
+
 def shared_items(request: TasksEval) -> dict[str, list]:
     """The facts and cloze items every model is scored on, built once before any model loads."""
     items: dict[str, list] = {}
@@ -73,9 +89,13 @@ def score_model(request: TasksEval, loaded: Loaded, items: dict[str, list]) -> M
             record.results[task] = score_facts(model, tokenizer, items["facts"], max_length)
         elif task == "cloze":
             record.results[task] = score_cloze(model, tokenizer, items["cloze"], max_length)
-        else:
+        elif task == "passkey":
             lengths = passkey_lengths(request, loaded.config)
             record.results[task] = score_passkey(model, tokenizer, passkey_items(tokenizer, lengths))
+        else:
+            haystacks = retrieval.retrieval_items(tokenizer, retrieval_lengths(request, loaded.config),
+                                                  request.retrieval_variants, request.retrieval_questions)
+            record.results[task] = retrieval.score_retrieval(model, tokenizer, haystacks)
     return record
 
 
@@ -103,7 +123,7 @@ def sample_credits(samples: list[dict]) -> dict[str, list[float]]:
 
 def run_tasks(request: TasksEval) -> TasksReport:
     """Score every model of the request on the same task items."""
-    check_models(request.models, lambda ref, config: passkey_lengths(request, config) if "passkey" in request.tasks else None)
+    check_models(request.models, lambda ref, config: check_lengths_of(request, config))
     manager = check_harness_tasks(request.lm_eval, request.lm_eval_include) if request.lm_eval else None
     items = shared_items(request)
     report = TasksReport(tasks=list(request.tasks), lm_eval=list(request.lm_eval))

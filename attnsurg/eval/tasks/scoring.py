@@ -14,6 +14,7 @@ attention, Loki's top-k included).
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 
@@ -114,8 +115,40 @@ def cached_forward(model, input_ids: torch.Tensor, previous=None):
 @torch.inference_mode()
 def greedy_generate(model, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
     """Argmax decoding with the model's own KV cache (prefill once, then one token at a time)."""
+    out = cached_forward(model, torch.tensor([prompt], device=model_device(model)))
+    return greedy_from(model, out, max_new_tokens, stop_ids)
+
+
+PREFILL_CHUNK = 2048  # tokens a long prompt is read in per forward: attention memory grows with chunk x context
+
+
+@torch.inference_mode()
+def prefill(model, prompt: list[int], chunk: int = PREFILL_CHUNK):
+    """The model's output after reading ``prompt`` ``chunk`` tokens per forward: the last position's logits
+    and the cache, which ``greedy_after`` continues from (on copies, so one prefill serves many questions)."""
     device = model_device(model)
-    out = cached_forward(model, torch.tensor([prompt], device=device))
+    out = None
+    for start in range(0, len(prompt), chunk):
+        out = cached_forward(model, torch.tensor([prompt[start : start + chunk]], device=device), out)
+    return out
+
+
+def forked(output) -> dict:
+    """A copy of an output's cache to continue from; the output's own cache is left as it was."""
+    return {"past_key_values": copy.deepcopy(returned_cache(output))}
+
+
+@torch.inference_mode()
+def greedy_after(model, read, continuation: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
+    """Argmax decoding after ``continuation``, read on a copy of the cache of ``read`` (a ``prefill``): the same
+    tokens as ``greedy_generate`` on the whole prompt."""
+    out = cached_forward(model, torch.tensor([continuation], device=model_device(model)), forked(read))
+    return greedy_from(model, out, max_new_tokens, stop_ids)
+
+
+def greedy_from(model, out, max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
+    """Argmax tokens from an output's last logits on, each fed back through its cache."""
+    device = model_device(model)
     generated: list[int] = []
     for step in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())

@@ -1,0 +1,116 @@
+"""The retrieval task: items are a pure function of the seed and the tokenizer, fit their length and hide every
+fact; a question answered on a copy of a shared prefill gets the tokens the whole prompt gets alone, and the
+shared prefill is never changed; credit is right for the right answer and wrong for noise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attnsurg.cli import app
+from attnsurg.errors import UserError
+from attnsurg.eval.tasks import retrieval
+from attnsurg.eval.tasks.retrieval import Question, credit, retrieval_items, standard_error
+from attnsurg.eval.tasks.scoring import encode, greedy_after, greedy_generate, prefill, returned_cache
+from attnsurg.io.load import load_model, resolve_source
+
+from conftest import build_tiny
+from helpers import assert_user_error, fake_assets
+
+
+@pytest.fixture
+def offline_texts(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSURG_CACHE", str(tmp_path / "cache"))
+    fake_assets(tmp_path / "cache")
+
+
+@pytest.fixture(scope="module")
+def long_tiny():
+    """A tiny Llama with a context long enough for eight needles."""
+    return build_tiny("llama", 384, num_key_value_heads=2, max_position_embeddings=2048).eval()
+
+
+@pytest.mark.parametrize("variant", retrieval.VARIANTS)
+def test_items_are_a_pure_function_of_the_seed_and_fit_their_length(variant, tokenizer, offline_texts):
+    first = retrieval_items(tokenizer, [700, 1200], [variant], questions=8)
+    assert first == retrieval_items(tokenizer, [700, 1200], [variant], questions=8)
+    assert sum(len(h.questions) for h in first if h.length == 700) >= 8
+    for haystack in first:
+        for question in haystack.questions:
+            total = len(encode(tokenizer, haystack.context + question.text)) + question.new_tokens
+            assert total <= haystack.length + 2, (haystack.id, total)  # the two encoded apart may differ by a token
+        hidden = [answer for question in haystack.questions for answer in question.answers]
+        assert all(answer in haystack.context for answer in hidden)
+    keys = [q.text for h in first for q in h.questions]
+    assert len(set(keys)) == len(keys)  # no question asked twice
+
+
+def test_facts_sit_at_spread_depths(tokenizer, offline_texts):
+    haystack = retrieval_items(tokenizer, [1500], ["multikey"], questions=8)[0]
+    where = [haystack.context.index(q.answers[0]) / len(haystack.context) for q in haystack.questions]
+    assert where == sorted(where) and where[0] < 0.2 and where[-1] > 0.8
+
+
+@pytest.mark.parametrize("chunk", [7, 2048])
+def test_a_question_on_a_shared_prefill_gets_the_tokens_of_the_whole_prompt_alone(chunk, long_tiny, tokenizer,
+                                                                                  offline_texts):
+    haystack = retrieval_items(tokenizer, [900], ["multikey"], questions=8)[0]
+    context = encode(tokenizer, haystack.context)
+    read = prefill(long_tiny, context, chunk=chunk)
+    cache = returned_cache(read)
+    before = [t.clone() for t in (cache.layers[0].keys, cache.layers[0].values)]
+    for question in haystack.questions[:3]:
+        asked = encode(tokenizer, question.text)
+        assert greedy_after(long_tiny, read, asked, 6) == greedy_generate(long_tiny, context + asked, 6)
+    assert cache.get_seq_length() == len(context)  # the shared read is never extended
+    for kept, now in zip(before, (cache.layers[0].keys, cache.layers[0].values), strict=True):
+        assert torch.equal(kept, now)
+
+
+def test_a_shared_prefill_serves_an_mla_checkpoint_in_the_attnsurg_runtime(tiny_mla, tokenizer):
+    from attnsurg.modeling.absorbed import use_runtime
+
+    model = load_model(resolve_source(str(tiny_mla)))
+    use_runtime(model, "attnsurg")
+    context = [int(i) for i in torch.randint(0, 384, (200,), generator=torch.Generator().manual_seed(0))]
+    asked = [5, 17, 33, 2]
+    read = prefill(model, context, chunk=64)
+    assert greedy_after(model, read, asked, 5) == greedy_generate(model, context + asked, 5)
+    assert greedy_after(model, read, asked, 5) == greedy_generate(model, context + asked, 5)  # twice: read unchanged
+
+
+def test_credit_is_one_for_the_value_and_zero_for_noise():
+    lookup = Question("?", ("1234567",))
+    assert credit(" 1234567. It was", lookup) == 1.0
+    assert credit(" 7654321 or 1234567", lookup) == 0.0  # the first number is the answer
+    assert credit(" the lighthouse", lookup) == 0.0
+    many = Question("?", ("ABCDE", "FGHIJ", "KLMNO", "PQRST"), all_of=True)
+    assert credit(" ABCDE, KLMNO", many) == 0.5
+    assert standard_error([1.0] * 10) == 0.0 and standard_error([1.0, 0.0] * 32) == pytest.approx(0.0625)
+
+
+def test_a_model_that_always_answers_scores_one_and_one_that_babbles_zero(tokenizer, offline_texts, monkeypatch):
+    """``score_retrieval`` end to end with the decoding replaced: an oracle that returns each question's value,
+    and noise."""
+    haystacks = retrieval_items(tokenizer, [900], ["multikey"], questions=8)
+    answers = {q.text: q.answers[0] for h in haystacks for q in h.questions}
+    monkeypatch.setattr(retrieval, "prefill", lambda model, ids: None)
+    for reply, expected in ((lambda text: encode(tokenizer, " " + answers[text]), 1.0),
+                            (lambda text: encode(tokenizer, " the sea"), 0.0)):
+        monkeypatch.setattr(retrieval, "greedy_after",
+                            lambda model, read, ids, n, reply=reply: reply(tokenizer.decode(ids)))
+        result = retrieval.score_retrieval(None, tokenizer, haystacks)
+        assert result.metrics["acc"] == expected and result.details["questions_by_length"] == {"900": 8}
+
+
+def test_lengths_past_the_context_or_too_short_for_the_facts_are_one_line(tiny_checkpoints, tokenizer, offline_texts):
+    result = CliRunner().invoke(app, ["eval", "tasks", str(tiny_checkpoints["llama-gqa"]), "--tasks", "retrieval",
+                                      "--retrieval-lengths", "512"])
+    assert_user_error(result, "beyond the model's context (256 positions)")
+    with pytest.raises(UserError, match="leaves no room"):
+        retrieval_items(tokenizer, [300], ["multikey"], questions=8)
+    with pytest.raises(UserError, match="at least 256"):
+        retrieval.check_lengths([128], 2048)
+    assert retrieval.default_lengths(8192) == [1024, 2048, 4096, 8192]
+    assert retrieval.default_lengths(3000) == [1024, 2048, 3000]

@@ -129,6 +129,7 @@ class PerplexityEval(Strict):
     stride: int | None = Field(None, gt=0)
     max_tokens: int | None = Field(None, gt=1)
     batch_size: int = Field(1, gt=0)
+    by_position: bool = False  # also the ppl of the tokens at positions 0-512, 512-1K, 1K-2K, ... of each window
     dtype: DType = "auto"
     device: str = "auto"
     seed: int = 0

@@ -128,3 +128,38 @@ def test_the_loki_line_names_the_head_dim_of_a_config_without_one():
     config.attnsurg = {"loki": {"rank": 8, "top_k": 0.25, "basis": "pre-rotary"}}
     assert not hasattr(config, "head_dim")
     assert surgery_settings(config) == "loki: rank 8 of head dim 16, top-k 0.25 of each query's context, pre-rotary basis"
+
+
+@pytest.mark.parametrize("max_length,stride", [(300, 300), (300, 120)])
+def test_a_window_read_in_chunks_through_the_cache_scores_as_one_forward(max_length, stride, corpus_file, tokenizer,
+                                                                        monkeypatch):
+    """Long windows are read ``LONG_WINDOW`` tokens per forward through the model's cache (lowered here to 64):
+    the same NLL as the straightforward loop, strided windows included, and per band of positions the tokens
+    add up to the whole."""
+    import attnsurg.eval.perplexity as perplexity
+    from conftest import build_tiny
+
+    model = build_tiny("llama", 384, num_key_value_heads=2, max_position_embeddings=1024).eval()
+    tokens = tokenize(tokenizer, corpus_file.read_text(), max_tokens=900)
+    windows = plan_windows(len(tokens.ids), max_length, stride)
+    monkeypatch.setattr(perplexity, "LONG_WINDOW", 64)
+    chunked = score_windows(model, tokens.ids, windows, 1, torch.device("cpu"), "tiny")
+    expected_nll, expected_count = straightforward_nll(model, tokens.ids, max_length, stride)
+    assert chunked.tokens == expected_count and chunked.nll == pytest.approx(expected_nll, rel=1e-5)
+    banded = score_windows(model, tokens.ids, windows, 1, torch.device("cpu"), "tiny", perplexity.position_bands(300))
+    assert sum(count for _, count in banded.by_position.values()) == expected_count
+    assert sum(nll for nll, _ in banded.by_position.values()) == pytest.approx(expected_nll, rel=1e-5)
+
+
+def test_perplexity_by_position_gives_each_band_and_its_ratio(tiny_checkpoints, corpus_file):
+    from attnsurg.eval.perplexity import position_bands
+
+    assert position_bands(8192) == [(0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
+    assert position_bands(300) == [(0, 300)]
+    request = PerplexityEval(models=[ModelRef(ref=str(tiny_checkpoints["llama-gqa"])),
+                                     ModelRef(ref=str(tiny_checkpoints["qwen2"]))],
+                             data=TextData(text=corpus_file), max_length=128, max_tokens=512, device="cpu",
+                             by_position=True)
+    first, second = run_perplexity(request).results
+    assert first.ppl_by_position == {"0-128": pytest.approx(first.ppl)}
+    assert second.ratio_by_position == {"0-128": pytest.approx(second.ratio)}

@@ -52,6 +52,8 @@ def eval_perplexity(
                                                       rich_help_panel=EVALUATION)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.",
                                             rich_help_panel=EVALUATION)] = 1,
+    by_position: Annotated[bool, typer.Option("--by-position", help="Also ppl by position: 0-512, ... 4K-8K.",
+                                              rich_help_panel=EVALUATION)] = False,
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",
     seed: Annotated[int, typer.Option("--seed", help="Random seed set before scoring.", rich_help_panel=OUTPUT)] = 0,
@@ -75,6 +77,7 @@ def eval_perplexity(
         stride=stride,
         max_tokens=max_tokens,
         batch_size=batch_size,
+        by_position=by_position,
         dtype=dtype,
         device=device,
         seed=seed,
@@ -84,6 +87,9 @@ def eval_perplexity(
         print(json.dumps(report.to_dict(), indent=2))
         return
     out.print(perplexity_table(report) if len(report.texts) == 1 else domain_table(report))
+    if by_position:
+        for text in report.texts:
+            out.print(position_table(report, text))
     for r in report.results:
         if r.surgery and r.text == report.texts[0]:
             recall = f"; top-k recall {r.top_k_recall:.3f} on the first window" if r.top_k_recall is not None else ""
@@ -115,6 +121,24 @@ def perplexity_table(report) -> Table:
             f"{r.parameters / 1e6:.1f}M ({r.attention_parameters / 1e6:.1f}M)",
             f"{r.tokens_per_second:,.0f}",
         )
+    return table
+
+
+def position_table(report, text: str) -> Table:
+    """Per band of positions in the window: the first model's ppl, each other's ratio to it (the last band is
+    the longest context the windows reach: where a method that forgets shows)."""
+    rows = [r for r in report.results if r.text == text]
+    bands = list(rows[0].ppl_by_position)
+    title = f"Perplexity by position in windows of {report.max_length} tokens, {text}: ratio to the first model"
+    table = Table(title=title, title_justify="left")
+    table.add_column("model")
+    for band in bands:
+        table.add_column(band, justify="right")
+    for index, r in enumerate(rows):
+        cells = [f"{r.ppl_by_position[b]:.3f}" if index == 0 else ui.described(f"x{r.ratio_by_position[b]:.3f}",
+                                                                                  f"{r.ppl_by_position[b]:.3f}")
+                 for b in bands]
+        table.add_row(r.model, *cells)
     return table
 
 

@@ -45,6 +45,33 @@ class Score:
     tokens: int = 0
     seconds: float = 0.0
     tokens_fed: int = 0
+    by_position: dict[str, list[float]] = field(default_factory=dict)  # band -> [summed nll, tokens]
+
+    def add_positions(self, losses: torch.Tensor, positions: torch.Tensor, bands: list[tuple[int, int]]) -> None:
+        for low, high in bands:
+            inside = (positions >= low) & (positions < high)
+            entry = self.by_position.setdefault(band_name(low, high), [0.0, 0])
+            entry[0] += float(losses[inside].sum())
+            entry[1] += int(inside.sum())
+
+    def position_ppl(self) -> dict[str, float]:
+        return {band: math.exp(nll / count) for band, (nll, count) in self.by_position.items() if count}
+
+
+def position_bands(max_length: int) -> list[tuple[int, int]]:
+    """The bands of positions a window's tokens are pooled in: 0-512, 512-1K, 1K-2K, 2K-4K, ... to its end."""
+    edges, edge = [0], 512
+    while edge < max_length:
+        edges.append(edge)
+        edge *= 2
+    return list(zip(edges, edges[1:] + [max_length]))
+
+
+def band_name(low: int, high: int) -> str:
+    def short(n: int) -> str:
+        return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
+
+    return f"{short(low)}-{short(high)}"
 
 
 @dataclass
@@ -69,6 +96,8 @@ class ModelResult:
     tokens_per_second: float
     tokens_fingerprint: str
     ratio: float = 1.0
+    ppl_by_position: dict[str, float] | None = None  # --by-position: each band's ppl
+    ratio_by_position: dict[str, float] | None = None  # and its ratio to the first model's
     surgery: str | None = None  # the method's settings, for attnsurg checkpoints
     top_k_recall: float | None = None  # Loki: share of the exact top-k keys selected, on the first window
 
@@ -149,16 +178,50 @@ def score_batch(
     return total
 
 
+LONG_WINDOW = 2048  # a window longer than this is read in chunks of it, with the model's cache: logits stay small
+
+
+@torch.inference_mode()
+def window_losses(model: PreTrainedModel, ids: torch.Tensor, window: Window, device: torch.device,
+                  chunk: int = LONG_WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each scored token's NLL (float64) in one window, and its position in the window; the window read ``chunk``
+    tokens per forward through the model's cache, so no more than ``chunk`` positions of logits exist at once."""
+    from attnsurg.eval.tasks.scoring import cache_argument, returned_cache
+
+    inputs = ids[window.begin : window.end].to(device)
+    losses, cache = [], None
+    for start in range(0, window.length, chunk):
+        piece = inputs[start : start + chunk][None]
+        past = {} if cache is None else {cache_argument(model): cache}
+        out = model(input_ids=piece, use_cache=window.length > chunk, **past)
+        cache = returned_cache(out)
+        targets = inputs[start + 1 : start + chunk + 1]
+        losses.append(F.cross_entropy(out.logits[0, : len(targets)].float(), targets, reduction="none").double())
+        del out
+    first = window.score_from - window.begin  # the first scored token's position
+    return torch.cat(losses)[first - 1 :], torch.arange(first, window.length)
+
+
 def score_windows(
-    model: PreTrainedModel, ids: torch.Tensor, windows: list[Window], batch_size: int, device: torch.device, label: str
+    model: PreTrainedModel, ids: torch.Tensor, windows: list[Window], batch_size: int, device: torch.device, label: str,
+    bands: list[tuple[int, int]] | None = None,
 ) -> Score:
+    """Summed NLL over the windows: batched, or (long windows, or ``bands`` asked) one window at a time, each
+    token's loss pooled in its band of positions too."""
     score = Score()
-    groups = batches(windows, batch_size)
+    one_by_one = bands is not None or windows[0].length > LONG_WINDOW
+    groups = [[w] for w in windows] if one_by_one else batches(windows, batch_size)
     keep_logits = keeps_logits(model)
     with ui.progress_bar(f"Scoring {label}", total=len(windows), unit="windows") as advance:
         for batch in groups:
             start = time.perf_counter()
-            score.nll += score_batch(model, ids, batch, device, keep_logits)
+            if one_by_one:
+                losses, positions = window_losses(model, ids, batch[0], device)
+                score.nll += float(losses.sum())
+                if bands is not None:
+                    score.add_positions(losses, positions, bands)
+            else:
+                score.nll += score_batch(model, ids, batch, device, keep_logits)
             if not math.isfinite(score.nll):
                 dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
                 raise UserError(f"{label} gives log-probabilities that are not finite in {dtype}: its activations "
@@ -222,7 +285,8 @@ def evaluate_model(model_ref: ModelRef, request: PerplexityEval, texts: list[Tex
     results = []
     for item in prepared:
         label = model_ref.ref if len(prepared) == 1 else f"{model_ref.ref} on {item.text.name}"
-        score = score_windows(model, item.tokens.ids, item.windows, request.batch_size, loaded.device, label)
+        bands = position_bands(request.max_length) if request.by_position else None
+        score = score_windows(model, item.tokens.ids, item.windows, request.batch_size, loaded.device, label, bands)
         results.append(ModelResult(
             model=model_ref.ref,
             text=item.text.name,
@@ -241,6 +305,7 @@ def evaluate_model(model_ref: ModelRef, request: PerplexityEval, texts: list[Tex
             seconds=score.seconds,
             tokens_per_second=score.tokens_fed / score.seconds if score.seconds else float("nan"),
             tokens_fingerprint=item.tokens.fingerprint,
+            ppl_by_position=score.position_ppl() if bands else None,
             surgery=surgery_settings(config),
             top_k_recall=loki_recall(model, item.tokens.ids, item.windows[0]),
         ))
@@ -329,7 +394,11 @@ def add_ratios(report: PerplexityReport) -> None:
     """Each row's ppl over the first model's on the same text; per model, the text with the largest ratio."""
     reference = report.results[0].model
     for result in report.results:
-        result.ratio = result.ppl / report.row(reference, result.text).ppl
+        first = report.row(reference, result.text)
+        result.ratio = result.ppl / first.ppl
+        if result.ppl_by_position is not None:
+            result.ratio_by_position = {band: ppl / first.ppl_by_position[band]
+                                        for band, ppl in result.ppl_by_position.items()}
         report.ratios.setdefault(result.model, {})[result.text] = result.ratio
     for model, ratios in report.ratios.items():
         report.worst[model] = max(ratios, key=ratios.get) if model != reference else None

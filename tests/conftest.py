@@ -203,3 +203,12 @@ def tiny_mla(tiny_checkpoints, corpus_file, tmp_path_factory) -> Path:
                                       "--eval-tokens", "0", "-o", str(output)])
     assert result.exit_code == 0, result.output
     return output
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_checkpoints, tmp_path_factory) -> Path:
+    """The tiny Llama exported as a GGUF file by attnsurg."""
+    from attnsurg.io.gguf_export import export_gguf
+
+    return export_gguf(str(tiny_checkpoints["llama-gqa"]), tmp_path_factory.mktemp("gguf") / "tiny.gguf",
+                       tokenizer_pre="gpt-2").path

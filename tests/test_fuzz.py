@@ -106,3 +106,52 @@ def test_any_flag_values_on_the_command_line(tiny_checkpoints, tmp_path_factory,
     assert result.exit_code in (0, 2), (args, result.output)
     assert result.exception is None or isinstance(result.exception, SystemExit), (args, result.exception)
     assert not out.exists()
+
+
+CHECKPOINT_FUZZ = settings(FUZZ, max_examples=min(FUZZ.max_examples, 40))  # each example reads a checkpoint
+
+
+@CHECKPOINT_FUZZ
+@given(st.sampled_from(["num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                        "head_dim", "vocab_size", "max_position_embeddings", "rope_parameters", "rope_theta",
+                        "model_type", "tie_word_embeddings", "intermediate_size"]), values)
+def test_any_value_in_a_config(tiny_checkpoints, tmp_path_factory, key, value):
+    """A checkpoint whose config.json holds any value anywhere: info reads it or refuses it in one line."""
+    import json
+    import shutil
+
+    from attnsurg.info import inspect_model
+    from attnsurg.requests import ModelRef
+
+    path = tmp_path_factory.mktemp("fuzz") / "model"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, key: value}))
+    value_or_user_error(inspect_model, ModelRef(ref=str(path)))
+
+
+@CHECKPOINT_FUZZ
+@given(values)
+def test_any_shard_index(tiny_checkpoints, tmp_path_factory, index):
+    import json
+    import shutil
+
+    from attnsurg.io.load import resolve_source
+
+    path = tmp_path_factory.mktemp("fuzz") / "model"
+    shutil.copytree(tiny_checkpoints["llama-gqa"], path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    value_or_user_error(resolve_source, str(path))
+
+
+@CHECKPOINT_FUZZ
+@given(st.integers(0, 2000), st.binary(min_size=1, max_size=16))
+def test_any_damage_to_a_gguf(tiny_gguf, tmp_path_factory, offset, patch):
+    """A GGUF cut short or overwritten anywhere in its header and tensor table: read or refused in one line."""
+    from attnsurg.io.load import resolve_source
+
+    data = bytearray(tiny_gguf.read_bytes())
+    data[offset : offset + len(patch)] = patch
+    path = tmp_path_factory.mktemp("fuzz") / "model.gguf"
+    path.write_bytes(bytes(data[: max(offset, 8)] if patch[0] % 2 else data))
+    value_or_user_error(resolve_source, str(path))

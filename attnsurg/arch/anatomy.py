@@ -140,7 +140,7 @@ SIZES = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"
 
 def check_sizes(config: PretrainedConfig) -> None:
     """One line for a config whose sizes no model can have (zero heads, heads that do not share out evenly)."""
-    for name in (*SIZES, "num_key_value_heads", "head_dim"):
+    for name in (*SIZES, "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
         value = getattr(config, name, None)
         if value is None and name not in SIZES:
             continue

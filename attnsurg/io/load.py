@@ -245,7 +245,9 @@ def _read_json(path: Path) -> dict:
 
 
 def _check_remote_code(ref: str, config: dict, trust_remote_code: bool) -> None:
-    model_type = config.get("model_type")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str):
+        raise UserError(f"'{ref}' has a config.json with no model_type string; fix its config.json")
     known = model_type in CONFIG_MAPPING_NAMES or model_type in ATTNSURG_MODEL_TYPES
     if not known and config.get("auto_map") and not trust_remote_code:
         raise UserError(

@@ -208,6 +208,8 @@ def check_checkpoint_tensors(source: ModelSource, trust_remote_code: bool = Fals
                             f"{list(wanted)}: the weights and the config do not belong together; copy or "
                             "download the checkpoint again")
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    if getattr(config, "tie_word_embeddings", False):
+        tied.add("lm_head.weight")  # stored once, as the embeddings
     missing = sorted(name for name in expected if name not in held and name not in tied)
     if missing:
         raise UserError(f"'{source.ref}' lacks {len(missing)} tensor(s) its config.json needs ({', '.join(missing[:2])}"

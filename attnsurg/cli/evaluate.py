@@ -52,7 +52,7 @@ def eval_perplexity(
                                                       rich_help_panel=EVALUATION)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.",
                                             rich_help_panel=EVALUATION)] = 1,
-    by_position: Annotated[bool, typer.Option("--by-position", help="Also ppl by position: 0-512, ... 4K-8K.",
+    by_position: Annotated[bool, typer.Option("--by-position", help="Also the ppl per band of positions (0-512, 512-1K...).",
                                               rich_help_panel=EVALUATION)] = False,
     dtype: EvalDType = "auto",
     device: EvalDevice = "auto",

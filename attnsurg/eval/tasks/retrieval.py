@@ -135,7 +135,7 @@ def variable_names(rng: random.Random, count: int) -> list[str]:
     return sorted(names, key=lambda _: rng.random())
 
 
-def hidden_facts(variant: str, rng: random.Random, index: int, haystacks: int) -> tuple[list[str], list[Question]]:
+def hidden_facts(variant: str, rng: random.Random) -> tuple[list[str], list[Question]]:
     """The sentences hidden in one haystack (in the order they are placed) and the questions about them."""
     if variant == "multikey":
         keys = distinct_keys(rng, 8)
@@ -174,7 +174,7 @@ def depths(count: int, index: int, haystacks: int, variant: str) -> list[float]:
 def build_haystack(tokenizer, pool: SentencePool, variant: str, length: int, index: int, haystacks: int) -> Haystack:
     """One haystack of at most ``length`` tokens with its questions (longest question and answer included)."""
     rng = random.Random(f"{SEED}-{variant}-{length}-{index}")
-    facts, questions = hidden_facts(variant, rng, index, haystacks)
+    facts, questions = hidden_facts(variant, rng)
     intro = TRACKING_INTRO if variant == "tracking" else INTRO
     reserve = max(len(encode(tokenizer, q.text)) + q.new_tokens for q in questions)
     fixed = len(encode(tokenizer, intro + " ".join(facts)))

@@ -218,3 +218,19 @@ def test_a_hub_id_is_read_from_its_snapshot_without_pickle_weights(tiny_checkpoi
     monkeypatch.setattr(load, "snapshot_download", offline)
     with pytest.raises(UserError, match="cannot download 'org/tiny' from the hub .We couldn't connect"):
         load.downloaded(hub)
+
+
+def test_the_layer_count_is_read_from_one_stack_of_layers():
+    """The quick count compares the decoder's layers with the config; a checkpoint with a second stack (a
+    vision tower) is left to the tensor-by-tensor check rather than miscounted."""
+    from attnsurg.errors import UserError
+    from attnsurg.io.load import check_layer_count
+
+    decoder = {f"model.layers.{i}.self_attn.q_proj.weight": None for i in range(2)}
+    check_layer_count("m", 2, decoder)
+    with pytest.raises(UserError, match="naming 3 layers, but its weights hold 2"):
+        check_layer_count("m", 3, decoder)
+    with pytest.raises(UserError, match="holds weights of layer 1"):
+        check_layer_count("m", 1, decoder)
+    vision = {f"vision_tower.encoder.layers.{i}.mlp.fc1.weight": None for i in range(5)}
+    check_layer_count("m", 2, {**decoder, **vision})

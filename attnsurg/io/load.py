@@ -176,7 +176,7 @@ def _check_index(path: Path) -> None:
                             "checkpoint again")
 
 
-LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+LAYER_INDEX = re.compile(r"^(.*)\.layers\.(\d+)\.")
 
 
 def check_checkpoint_tensors(source: ModelSource, trust_remote_code: bool = False) -> None:
@@ -227,9 +227,15 @@ def header_shapes(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
 
 
 def check_layer_count(ref: str, layers: int, held: dict) -> None:
-    indices = {int(m.group(1)) for name in held if (m := LAYER_INDEX.search(name))}
-    if not indices:
+    """The decoder layers the tensor names hold against the config's count; left to the tensor check when the
+    names hold layers of more than one stack (a vision tower beside the decoder)."""
+    stacks: dict[str, set[int]] = {}
+    for name in held:
+        if m := LAYER_INDEX.match(name):
+            stacks.setdefault(m.group(1), set()).add(int(m.group(2)))
+    if len(stacks) != 1:
         return
+    indices = next(iter(stacks.values()))
     if extra := sorted(indices - set(range(layers))):
         raise UserError(f"'{ref}' holds weights of layer {extra[0]}, but its config.json names {layers} layers; "
                         "fix num_hidden_layers or copy the checkpoint again")
@@ -367,9 +373,10 @@ def require_complete(info: dict, ref: str) -> None:
                         "more layers than its weights hold; copy or download it again")
     mismatched = info.get("mismatched_keys") or []
     if mismatched:
-        name, stored, wanted = mismatched[0][:3] if len(mismatched[0]) >= 3 else (mismatched[0], "?", "?")
-        raise UserError(f"'{ref}' holds '{name}' with shape {list(stored)}, but its config needs {list(wanted)}: the "
-                        "weights and the config do not belong together")
+        first = mismatched[0]
+        name = first[0] if isinstance(first, (tuple, list)) else first
+        raise UserError(f"'{ref}' holds '{name}' in a shape its config does not build: the weights and the config "
+                        "do not belong together; copy or download the checkpoint again")
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):

@@ -90,6 +90,23 @@ def test_credit_is_one_for_the_value_and_zero_for_noise():
     assert standard_error([1.0] * 10) == 0.0 and standard_error([1.0, 0.0] * 32) == pytest.approx(0.0625)
 
 
+@pytest.mark.parametrize("generated", [" 1234567. It was", " 7654321 or 1234567", " 12 34", " none at all, sorry",
+                                       " ABCDE, FGHIJ, KLMNO and PQRST.", " ABCDE and"])
+def test_decoding_stops_only_where_more_tokens_cannot_change_the_credit(generated):
+    for question in (Question("?", ("1234567",)), Question("?", ("ABCDE", "FGHIJ", "KLMNO", "PQRST"), all_of=True)):
+        for end in range(len(generated) + 1):
+            if question.settled(generated[:end]):
+                assert credit(generated[:end], question) == credit(generated, question)
+
+
+def test_a_finished_answer_is_the_prefix_of_the_full_generation(long_tiny, tokenizer, offline_texts):
+    haystack = retrieval_items(tokenizer, [900], ["multikey"], questions=8)[0]
+    read = prefill(long_tiny, encode(tokenizer, haystack.context))
+    asked = encode(tokenizer, haystack.questions[0].text)
+    full = greedy_after(long_tiny, read, asked, 6)
+    assert greedy_after(long_tiny, read, asked, 6, finished=lambda tokens: len(tokens) == 2) == full[:2]
+
+
 def test_a_model_that_always_answers_scores_one_and_one_that_babbles_zero(tokenizer, offline_texts, monkeypatch):
     """``score_retrieval`` end to end with the decoding replaced: an oracle that returns each question's value,
     and noise."""
@@ -99,7 +116,7 @@ def test_a_model_that_always_answers_scores_one_and_one_that_babbles_zero(tokeni
     for reply, expected in ((lambda text: encode(tokenizer, " " + answers[text]), 1.0),
                             (lambda text: encode(tokenizer, " the sea"), 0.0)):
         monkeypatch.setattr(retrieval, "greedy_after",
-                            lambda model, read, ids, n, reply=reply: reply(tokenizer.decode(ids)))
+                            lambda model, read, ids, n, reply=reply, **_: reply(tokenizer.decode(ids)))
         result = retrieval.score_retrieval(None, tokenizer, haystacks)
         assert result.metrics["acc"] == expected and result.details["questions_by_length"] == {"900": 8}
 

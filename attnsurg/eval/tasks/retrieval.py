@@ -3,7 +3,8 @@
 sample's evaluation half, from a seeded offset per haystack).
 
 Each haystack is read once (``scoring.prefill``, in chunks) and every question about it continues a copy of
-its cache (``scoring.greedy_after``), so a length costs a few prefills and a few decode steps per question.
+its cache (``scoring.greedy_after``), decoding only until the credit is settled (a lookup's number has ended),
+so a length costs a few prefills and a few decode steps per question.
 
 Variants (``VARIANTS``):
 
@@ -75,6 +76,13 @@ class Question:
     @property
     def new_tokens(self) -> int:
         return 12 if not self.all_of else 12 * len(self.answers)
+
+    def settled(self, generated: str) -> bool:
+        """Whether more tokens can no longer change the credit: a lookup's first number has ended, or every
+        expected answer is named."""
+        if self.all_of:
+            return all(answer in generated for answer in self.answers)
+        return re.search(r"\d+\D", generated) is not None
 
 
 @dataclass(frozen=True)
@@ -234,7 +242,8 @@ def score_retrieval(model, tokenizer, items: list[Haystack]) -> TaskResult:
     for haystack in items:
         read = prefill(model, encode(tokenizer, haystack.context))
         for question in haystack.questions:
-            answer = greedy_after(model, read, encode(tokenizer, question.text), question.new_tokens)
+            answer = greedy_after(model, read, encode(tokenizer, question.text), question.new_tokens,
+                                  finished=lambda tokens, q=question: q.settled(tokenizer.decode(tokens)))
             credits.append(credit(tokenizer.decode(answer), question))
             rows.append(f"{haystack.variant} {haystack.length}" if several else str(haystack.length))
         del read

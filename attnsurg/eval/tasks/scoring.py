@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -139,15 +140,18 @@ def forked(output) -> dict:
 
 
 @torch.inference_mode()
-def greedy_after(model, read, continuation: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
+def greedy_after(model, read, continuation: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
+                 finished: Callable[[list[int]], bool] | None = None) -> list[int]:
     """Argmax decoding after ``continuation``, read on a copy of the cache of ``read`` (a ``prefill``): the same
     tokens as ``greedy_generate`` on the whole prompt."""
     out = cached_forward(model, torch.tensor([continuation], device=model_device(model)), forked(read))
-    return greedy_from(model, out, max_new_tokens, stop_ids)
+    return greedy_from(model, out, max_new_tokens, stop_ids, finished)
 
 
-def greedy_from(model, out, max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
-    """Argmax tokens from an output's last logits on, each fed back through its cache."""
+def greedy_from(model, out, max_new_tokens: int, stop_ids: set[int] = frozenset(),
+                finished: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """Argmax tokens from an output's last logits on, each fed back through its cache, until ``max_new_tokens``,
+    a stop id, or ``finished`` says the tokens so far hold the answer (the prefix of the longer generation)."""
     device = model_device(model)
     generated: list[int] = []
     for step in range(max_new_tokens):
@@ -155,6 +159,8 @@ def greedy_from(model, out, max_new_tokens: int, stop_ids: set[int] = frozenset(
         if token in stop_ids:
             break
         generated.append(token)
+        if finished is not None and finished(generated):
+            break
         if step + 1 < max_new_tokens:
             out = cached_forward(model, torch.tensor([[token]], device=device), out)
     return generated

@@ -86,8 +86,13 @@ def engine_note(plan: MLAPlan) -> list[str]:
     nope, v = plan.written_dims
     if plan.engine != "vllm":
         return []
+    width = plan.cached_values
+    cpu = ("vLLM's CPU build decodes it (run: greedy tokens and prompt log-probs equal to transformers'; turn its "
+           "rotary op off, `compilation_config={\"custom_ops\": [\"all\", \"-rotary_embedding\"]}`, which "
+           "computes wrong values for DeepSeek's q/k)" if width == 576 else
+           f"vLLM's CPU build decodes width 576 only, not this {width} (its GPU MLA backends take it: read, not run)")
     return [f"laid out for vLLM: (qk_nope, rope, v) head dims ({nope}, {plan.rope_dim}, {v}) from the fitted "
-            f"({plan.qk_nope_dim}, {plan.rope_dim}, {plan.head_dim}) by zero padding, lm_head stored untied"]
+            f"({plan.qk_nope_dim}, {plan.rope_dim}, {plan.head_dim}) by zero padding, lm_head stored untied; {cpu}"]
 
 
 def short_prompts_note(share: float) -> str:

@@ -24,7 +24,6 @@ class Family:
     attention_attr: str = "self_attn"
     input_norm: str = "input_layernorm"
     post_attention_norm: str = "post_attention_layernorm"
-    attention_output_norm: str | None = None  # a norm on the attention's output before the residual add (Gemma)
     mlp: str = "mlp"
     q_proj: str = "q_proj"
     k_proj: str = "k_proj"
@@ -47,8 +46,8 @@ SURGERY_FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2"),
         Family("qwen3", "Qwen3"),
         Family("phi3", "Phi-3 (fused projections split on load, as Mistral)"),
-        Family("gemma2", "Gemma 2 (every method but MLA)", attention_output_norm="post_attention_layernorm"),
-        Family("gemma3_text", "Gemma 3 text (every method but MLA)", attention_output_norm="post_attention_layernorm"),
+        Family("gemma2", "Gemma 2 (every method but MLA)"),
+        Family("gemma3_text", "Gemma 3 text (every method but MLA)"),
     )
 }
 

@@ -28,7 +28,7 @@ from attnsurg.io.lazy import CheckpointReader, embedding_scale, rotary_embedding
 from attnsurg.io.resume import LayerCheckpoints, start_stream
 from attnsurg.io.shards import ShardWriter, planned_tensors
 from attnsurg.methods.base import LayerTensors, method_of
-from attnsurg.methods.consumers import LayerContext, layer_inv_freq, output_gain
+from attnsurg.methods.consumers import LayerContext, layer_inv_freq
 from attnsurg.methods.factorized import attnsurg_config
 from attnsurg.modeling.modeling_attnsurg import CLASSES
 
@@ -95,8 +95,7 @@ def hooked(family: Family) -> tuple[str, str]:
 def layer_context(layer, x, o, inv_freq: torch.Tensor, source_config: PretrainedConfig, family: Family,
                   seq_len: int) -> LayerContext:
     return LayerContext(getattr(layer, family.attention_attr), x.offloaded(), o.offloaded(), inv_freq,
-                        source_config.num_attention_heads, source_config.num_key_value_heads, seq_len,
-                        output_gain(layer, family))
+                        source_config.num_attention_heads, source_config.num_key_value_heads, seq_len)
 
 
 @torch.no_grad()

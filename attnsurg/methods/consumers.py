@@ -3,11 +3,8 @@
 An error e in a key changes a score by q^T R_{-delta} e, where R_delta is the RoPE rotation over the query-key
 distance, so the key weight is E_delta[R^T Q R] with Q the second moment of the queries of that key head
 (averaged over the distances of the calibration windows, each weighted by how many query-key pairs have it);
-symmetrically the key moment weights queries, and W_o^T W_o (per head group) weights values. Where the family
-normalises the attention's output before the residual add (Gemma 2/3: n(y) = g * y / rms(y)), an error in y reaches
-the stream scaled by g / rms(y), so o_proj's output is weighted by diag(g^2) and values by W_o^T diag(g^2) W_o
-(the radial part and the per-layer 1/rms^2 are left out; each weight is rescaled to its unit's energy anyway).
-Used by the low-rank, head-tensor and stacked Tucker fits, by Loki's key bases and by MLA's q/k norms.
+symmetrically the key moment weights queries, and W_o^T W_o (per head group) weights values. Used by the
+low-rank, head-tensor and stacked Tucker fits, by Loki's key bases and by MLA's q/k norms.
 """
 
 from __future__ import annotations
@@ -51,24 +48,15 @@ def head_moments(weight: torch.Tensor, bias: torch.Tensor | None, sigma: torch.T
     return [Wa[h * d : (h + 1) * d] @ sigma @ Wa[h * d : (h + 1) * d].T for h in range(heads)]
 
 
-def rms_norm_gain(norm: torch.nn.Module | None) -> torch.Tensor | None:
-    """The per-dimension gain of an RMSNorm (Llama's weight, Gemma's 1 + weight), or None for no norm: the norm
-    of a vector of ones, whose RMS is one."""
+def norm_scale(attn, projection: str) -> torch.Tensor | None:
+    """The per-dimension gain of the attention's RMSNorm on each query or key head (``q_norm``/``k_norm``:
+    Qwen3's weight, Gemma 3's 1 + weight), or None where the family has none: the norm of a vector of ones,
+    whose RMS is one."""
+    norm = getattr(attn, f"{projection}_norm", None)
     if norm is None:
         return None
     with torch.no_grad():
         return norm(torch.ones(1, norm.weight.shape[-1], dtype=norm.weight.dtype, device=norm.weight.device))[0].double().cpu()
-
-
-def norm_scale(attn, projection: str) -> torch.Tensor | None:
-    """The gain of the attention's RMSNorm on each query or key head (``q_norm``/``k_norm``), or None."""
-    return rms_norm_gain(getattr(attn, f"{projection}_norm", None))
-
-
-def output_gain(layer: torch.nn.Module, family: Family) -> torch.Tensor | None:
-    """The gain of the norm the family applies to the attention's output (Gemma's post-attention norm), or None."""
-    name = family.attention_output_norm
-    return None if name is None else rms_norm_gain(getattr(layer, name))
 
 
 def attention_moments(attn, projection: str, sigma: torch.Tensor, heads: int) -> list[torch.Tensor]:
@@ -104,15 +92,6 @@ class LayerContext:
     heads: int
     kv_heads: int
     seq_len: int
-    output_gain: torch.Tensor | None = None  # gain of a norm on the attention's output (Gemma), None for none
-
-    def output_weight(self) -> torch.Tensor | None:
-        """m x m: what consumes o_proj's output, diag(g^2) through an output norm; None where it goes straight
-        to the residual stream."""
-        if self.output_gain is None:
-            return None
-        squared = self.output_gain.square()
-        return torch.diag(squared.clamp_min(1e-6 * squared.mean()))  # a dead output dim keeps the fit invertible
 
     def key_weight(self) -> torch.Tensor:
         """Gd x Gd: per KV head, the rotation-averaged second moment of the queries that read it (through
@@ -137,10 +116,8 @@ class LayerContext:
         return block_diagonal([averaged[h // per_group] for h in range(self.heads)])
 
     def value_weight(self) -> torch.Tensor:
-        """Gd x Gd: per KV head, the sum of W_o,h^T diag(g^2) W_o,h over the heads that read it."""
+        """Gd x Gd: per KV head, the sum of W_o,h^T W_o,h over the heads that read it."""
         Wo = self.attn.o_proj.weight.double()
-        if self.output_gain is not None:
-            Wo = self.output_gain[:, None] * Wo
         d = Wo.shape[1] // self.heads
         per_group = self.heads // self.kv_heads
         blocks = []
@@ -164,6 +141,6 @@ def layer_contexts(source: PreTrainedModel, family: Family, stats, seq_len: int)
     layers = source.get_submodule(family.layers_path)
     return [
         LayerContext(getattr(layer, family.attention_attr), x, o, layer_inv_freq(rotary, config, index),
-                     config.num_attention_heads, config.num_key_value_heads, seq_len, output_gain(layer, family))
+                     config.num_attention_heads, config.num_key_value_heads, seq_len)
         for index, (layer, (x, o)) in enumerate(zip(layers, stats, strict=True))
     ]

@@ -25,7 +25,7 @@ class Whitened:
     tensor: torch.Tensor  # [heads, head_dim, hidden], float64
     unwhiten_heads: torch.Tensor  # [heads]: divide the head factor's rows by these
     unwhiten_dim: torch.Tensor | None  # [head_dim, head_dim]: dim factor <- M @ dim factor (o only)
-    unwhiten_hidden: torch.Tensor | None  # [hidden, hidden]: hidden factor <- M @ hidden factor (q/k/v; o under an output weight)
+    unwhiten_hidden: torch.Tensor | None  # [hidden, hidden]: hidden factor <- M @ hidden factor (q/k/v)
 
 
 def head_tensor(unit: HeadUnit, weight: torch.Tensor) -> torch.Tensor:
@@ -48,9 +48,8 @@ def diagonal_blocks(M: torch.Tensor, heads: int, d: int) -> torch.Tensor:
 
 
 def whiten(unit: HeadUnit, weight: torch.Tensor, stats: InputStatistics, consumer: torch.Tensor | None = None) -> Whitened:
-    """T' with the input metric and the consumer weight ``consumer`` applied (q/k/v: its shared form, from
-    per-head d x d blocks; o: a diagonal weight on the output, scaling the hidden mode), and the maps that undo
-    it on the factors."""
+    """T' with the input metric (and, for q/k/v, the shared form of the consumer weight ``consumer``,
+    per-head d x d blocks) applied, and the maps that undo it on the factors."""
     T = head_tensor(unit, weight)
     sigma = stats.sigma[:-1, :-1]
     if unit.heads_on == "output":
@@ -61,20 +60,13 @@ def whiten(unit: HeadUnit, weight: torch.Tensor, stats: InputStatistics, consume
         L, scale = shared_metric(consumer)
         return Whitened(scale[:, None, None] * torch.einsum("ij,hjk->hik", L.T, T), scale, torch.linalg.inv(L).T, unwhiten_hidden)
     L, scale = shared_metric(diagonal_blocks(sigma, unit.heads, unit.head_dim))
-    T = scale[:, None, None] * torch.einsum("ij,hjk->hik", L.T, T)
-    if consumer is None:
-        return Whitened(T, scale, torch.linalg.inv(L).T, None)
-    root = consumer.diagonal().sqrt()
-    return Whitened(T * root, scale, torch.linalg.inv(L).T, torch.diag(1 / root))
+    return Whitened(scale[:, None, None] * torch.einsum("ij,hjk->hik", L.T, T), scale, torch.linalg.inv(L).T, None)
 
 
 def consumer_blocks(unit: HeadUnit, ctx: LayerContext) -> torch.Tensor | None:
-    """Per-head d x d blocks of what consumes a q/k/v head's output (see lowrank.py); for o, the diagonal
-    weight on its output where a norm follows it (Gemma), else None."""
-    if unit.name == "o":
-        return ctx.output_weight()
-    weight = {"q": ctx.query_weight, "k": ctx.key_weight, "v": ctx.value_weight}[unit.name]
-    return diagonal_blocks(weight(), unit.heads, unit.head_dim)
+    """Per-head d x d blocks of what consumes a q/k/v head's output (see lowrank.py); None for o."""
+    weight = {"q": ctx.query_weight, "k": ctx.key_weight, "v": ctx.value_weight}.get(unit.name)
+    return None if weight is None else diagonal_blocks(weight(), unit.heads, unit.head_dim)
 
 
 def module_state(plan: HeadTensorPlan, factors, w: Whitened, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -108,7 +100,7 @@ def refit_hidden_factor(unit: HeadUnit, state: dict, weight: torch.Tensor, x: In
     - q/k/v, W ~ K C^T: C^T = (K^T Omega K)^-1 K^T Omega W with Omega the per-head consumer blocks (or I);
       the input metric cancels since C^T is free in every input direction;
     - o, W_o ~ C K^T: C = W_o Sigma K (K^T Sigma K)^-1 with the full input covariance Sigma, cross-head
-      correlations included (each output row is its own least squares, so a weight on the output cancels)."""
+      correlations included."""
     K = head_maps(state)
     W = weight.detach().double()
     eye = torch.eye(K.shape[1], dtype=torch.float64)

@@ -11,8 +11,7 @@ the raw weights (as svdllm does for matrices):
   covariance) and a per-head scale s_h keep the factors shared across heads, T'[h] = s_h S_d^T T[h]
   (cross-head correlations are ignored);
 - consumer weights (default; as in lowrank.py: rotation-averaged key/query moments, W_o^T W_o) weight the
-  q/k/v head outputs in the same shared form, T'[h] = s_h L^T T[h] S; where a norm with gain g follows the
-  attention (Gemma), o's hidden mode is scaled by g as well.
+  q/k/v head outputs in the same shared form, T'[h] = s_h L^T T[h] S.
 
 Mapping the factors back leaves every shared factor shared, so the module stores one tensor per mode.
 Where k and v are both decomposed and their hidden ranks together are below 2 G d, the layer caches those
@@ -144,7 +143,7 @@ class HeadTensorPlan:
     choose_ranks: bool  # tucker from --ratio: the split between modes is chosen per unit on calibration data
     budgets: list[int] = field(default_factory=list)  # parameters each unit may keep (ratio mode)
     kv_values_per_layer: int = 0
-    weighted: bool = True  # consumer weights (shared across heads) on q/k/v outputs, an output norm's gain on o
+    weighted: bool = True  # consumer weights (shared across heads) on q/k/v outputs
     kv_latent = False
     allocate = False
 

@@ -10,8 +10,8 @@ projection's output (Eckart-Young on M = L^T W R; W' = L^-T U_r S_r V_r^T R^-1, 
 down = S_r^1/2 V_r^T R^-1 and up = L^-T U_r S_r^1/2).
 
 Consumer weights (on by default for svdllm; ``methods/consumers.py``): the rotation-averaged query moment weights
-keys, the key moment weights queries and W_o^T W_o weights values; through a norm on the attention's output
-(Gemma) its gain weights o_proj's output too. Each block is rescaled to its unweighted energy.
+keys, the key moment weights queries and W_o^T W_o weights values. Each block is rescaled to its unweighted
+energy.
 
 ``kv_latent``: k and v of a layer share one latent of rank r (W = [W_k; W_v]), which the cache holds
 instead of K and V (Palu, Chang et al. 2024): a real KV-cache saving of r / (2 G d).
@@ -300,12 +300,11 @@ def unit_weights(unit: Unit, attn) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def consumer_weight(unit: Unit, ctx: LayerContext, W: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """Omega for the unit (None for an o_proj whose output goes straight to the residual stream)."""
+    """Omega for the unit (None for o_proj, whose output goes straight to the residual stream)."""
     sigma = ctx.o.sigma if unit.name == "o" else ctx.x.sigma
     energy = augmented(W, bias) @ sigma @ augmented(W, bias).T
     if unit.name == "o":
-        output = ctx.output_weight()
-        return None if output is None else rescaled(output, energy)
+        return None
     if unit.name == "q":
         return rescaled(ctx.query_weight(), energy)
     if unit.name == "k":

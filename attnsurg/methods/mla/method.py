@@ -12,6 +12,7 @@ from attnsurg.methods.mla.conversion import convert
 from attnsurg.methods.mla.plan import MLAPlan, plan_mla
 from attnsurg.methods.mla.report import (
     ConvertReport,
+    engine_note,
     layer_error_lines, layer_error_records,
     mla_card_text,
     plan_rows,
@@ -107,7 +108,7 @@ class MLA(SurgeryMethod):
                 "split": report.split.record() if report.split else None, "split_reason": split_line(report)}
 
     def report_text(self, model: str, report: ConvertReport, dry_run: bool) -> list:
-        return [plan_table(model, report), f"split: {split_line(report)}"]
+        return [plan_table(model, report), f"split: {split_line(report)}", *engine_note(report.plan)]
 
     def result_text(self, report: ConvertReport) -> list:
         return layer_error_lines(report)

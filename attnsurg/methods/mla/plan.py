@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import SURGERY_FAMILIES, blocking_features, family_for_surgery, llama_like_reason
 from attnsurg.errors import UserError
-from attnsurg.methods.mla.engines import ENGINES, engine_problems, vllm_head_dims
+from attnsurg.methods.mla.engines import ENGINES, VLLM_MLA_WIDTHS, engine_problems, vllm_head_dims, vllm_split
 
 
 SUPPORTED_ROPE = ("default", "llama3")
@@ -172,6 +172,10 @@ def split_reason(plan: MLAPlan) -> str:
     """One line: how the plan spends its budget and why, where no measurement chose it (``--split rule``)."""
     values, R, r = plan.rope_dim + plan.kv_rank, plan.rope_dim, plan.kv_rank
     fold = f" with FreqFold {plan.rope_fold}" if plan.rope_fold > 1 else ""
+    if plan.engine == "vllm" and plan.cached_values in VLLM_MLA_WIDTHS:
+        return (f"RoPE {R} dims{fold} + latent {r} + its norm channel: {plan.cached_values} values per token, "
+                f"one of the widths vLLM's MLA kernels cache ({', '.join(map(str, VLLM_MLA_WIDTHS))}; with "
+                "--engine vllm a budget takes the widest it reaches)")
     if values >= plan.original_values:
         return f"RoPE {R} dims{fold} + latent {r}: the whole cache"
     max_rope = plan.head_dim if plan.layout == "standard" else plan.num_kv_heads * plan.head_dim
@@ -223,8 +227,11 @@ def plan_mla(
         if not 0 < kv_budget <= 1:
             raise UserError(f"--kv-budget must be in (0, 1], got {kv_budget}")
         values = max(2, round(kv_budget * original))
-        rope_dim = default_rope_dim(values, d, max_rope, original) if rope_dim is None else rope_dim
-        kv_rank = values - rope_dim  # the latent-norm channel is one extra value on top of the budget
+        if engine == "vllm" and rope_dim is None:
+            rope_dim, kv_rank = vllm_split(values, original, d, kv_budget)
+        else:
+            rope_dim = default_rope_dim(values, d, max_rope, original) if rope_dim is None else rope_dim
+            kv_rank = values - rope_dim  # the latent-norm channel is one extra value on top of the budget
     rope_dim = d if rope_dim is None else rope_dim
     if rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
         where = f"the head dim ({d})" if layout == "standard" else f"KV heads x head dim ({max_rope})"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from attnsurg.arch import inspect_config
 from attnsurg.data import DOMAINS
-from attnsurg.methods import METHODS
+from attnsurg.methods import registered_methods
 from attnsurg.eval.perplexity import run_perplexity
 from attnsurg.eval.tasks import run_tasks
 from attnsurg.eval.tasks.base import retained
@@ -45,7 +45,7 @@ def refusal(name: str, model: str) -> str | None:
     """Why the recipe's method cannot run on ``model`` (the registry's reason), or None."""
     settings = load_recipe(Path(name)).surgery
     method = settings.to if isinstance(settings, ConvertSettings) else settings.method
-    return METHODS[method].unsupported_reason(inspect_config(load_config(resolve_source(model))))
+    return registered_methods()[method].unsupported_reason(inspect_config(load_config(resolve_source(model))))
 
 
 def checkpoint_for(name: str, out_dir: Path, model: str) -> tuple[Path, float | None]:

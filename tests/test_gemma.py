@@ -69,10 +69,10 @@ def test_mla_refuses_gemma_even_without_sliding_layers(family):
     from dataclasses import replace
 
     from attnsurg.arch import inspect_config
-    from attnsurg.methods import METHODS
+    from attnsurg.methods import registered_methods
 
     anatomy = replace(inspect_config(CONFIGS[family]()), sliding_window=None, sliding_layers=0)
-    assert METHODS["mla"].unsupported_reason(anatomy).startswith("MLA writes Llama-like DeepseekV3 decoder layers")
+    assert registered_methods()["mla"].unsupported_reason(anatomy).startswith("MLA writes Llama-like DeepseekV3 decoder layers")
 
 
 def test_loki_at_full_budget_reproduces_the_logits_beyond_the_sliding_window(gemma_checkpoint, corpus_file, tmp_path):

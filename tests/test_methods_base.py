@@ -4,7 +4,7 @@ import torch
 from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
-from attnsurg.methods.base import SURGERY_METHODS, compress_method_names, method_for, method_of, settings_for_method
+from attnsurg.methods.base import compress_method_names, method_for, method_of, settings_for_method, surgery_methods
 from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.methods.headtensor import HeadTensorSettings
 from attnsurg.methods.loki import LokiSettings
@@ -29,9 +29,9 @@ SETTINGS = [
 def test_every_compress_method_has_exactly_one_implementation():
     assert {settings.method for settings in SETTINGS} == set(compress_method_names())
     for settings in SETTINGS:
-        assert sum(method.handles(settings) for method in SURGERY_METHODS) == 1, settings
-    assert len({method.plan_type for method in SURGERY_METHODS}) == len(SURGERY_METHODS)
-    assert [method.step for method in SURGERY_METHODS if method.handles(MLASettings(kv_budget=0.5))] == ["convert"]
+        assert sum(method.handles(settings) for method in surgery_methods()) == 1, settings
+    assert len({method.plan_type for method in surgery_methods()}) == len(surgery_methods())
+    assert [method.step for method in surgery_methods() if method.handles(MLASettings(kv_budget=0.5))] == ["convert"]
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +76,38 @@ def test_a_compress_step_is_read_by_the_settings_its_method_registered(name):
 
 
 def test_each_planned_method_is_registered_by_its_own_module_once():
-    from attnsurg.methods.planning import PLANNED, register_planned
+    from attnsurg.methods.planning import planned_methods, register_planned
 
+    PLANNED = planned_methods()
     owners = {name: method.proxy.__module__ for name, method in PLANNED.items()}
     assert owners["svdllm-allocate"] == "attnsurg.methods.lowrank" and owners["cp"] == "attnsurg.methods.headtensor"
     assert owners["loki-variance"] == "attnsurg.methods.loki" and owners["mla"] == "attnsurg.methods.mla.proxy"
     assert owners["linear"] == "attnsurg.methods.linear.proxy"
     with pytest.raises(ValueError, match="registered twice"):
         register_planned(PLANNED["mla"])
+
+
+def test_the_command_line_starts_without_torch_or_any_method():
+    """``attnsurg --help`` (every command module imported) loads neither torch nor transformers nor a method
+    module: methods register on the first question to the registry."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; import attnsurg.cli; "
+             "light = lambda m: getattr(sys.modules[m], '__file__', '').endswith(('__init__.py', 'settings.py')); "
+             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+             "or (m.startswith('attnsurg.methods') and not light(m))); print(heavy)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_every_listing_of_methods_is_in_one_order_whatever_was_imported_first():
+    import subprocess
+    import sys
+
+    listing = ("from attnsurg.methods import registered_methods; from attnsurg.methods.planning import planned_methods; "
+               "from attnsurg.methods.base import surgery_methods; print(list(registered_methods()), list(planned_methods()), "
+               "[type(m).__name__ for m in surgery_methods()])")
+    runs = [subprocess.run([sys.executable, "-c", first + listing], capture_output=True, text=True, check=True).stdout
+            for first in ("", "import attnsurg.methods.topk; import attnsurg.methods.mla; ")]
+    assert runs[0] == runs[1] and runs[0].startswith("['svd', 'asvd', 'svdllm', 'tucker', 'cp', 'linear', 'loki', 'mla'")

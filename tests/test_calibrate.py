@@ -7,7 +7,7 @@ from attnsurg.calibrate import (
     SHORT_PROMPT_TOKENS, InputStatistics, calibration_windows, input_statistics, prompt_layout, prompts_of, short_prompt_starts,
 )
 from attnsurg.errors import UserError
-from attnsurg.pipelines.steps import domain_texts, scored_text
+from attnsurg.pipelines.scoring import domain_texts, scored_text
 from attnsurg.requests import TextData
 
 from helpers import fake_assets

@@ -292,13 +292,13 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_every_bad_input_is_one_line_before_any_model_loads_and_writes_nothing(case, tiny_checkpoints, tmp_path, monkeypatch):
     import attnsurg.eval.loading
-    import attnsurg.pipelines.steps
+    import attnsurg.pipelines.source
 
     def never(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(attnsurg.pipelines.steps, "load_source", never)
-    monkeypatch.setattr(attnsurg.pipelines.steps, "load_source_model", never)
+    monkeypatch.setattr(attnsurg.pipelines.source, "load_source", never)
+    monkeypatch.setattr(attnsurg.pipelines.source, "load_source_model", never)
     monkeypatch.setattr(attnsurg.eval.loading, "load_model", never)
     short = tmp_path / "short.txt"
     short.write_text("A few words.")

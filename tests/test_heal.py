@@ -307,7 +307,7 @@ def test_under_several_processes_the_main_one_operates_and_the_others_load(tiny_
     process never runs it and loads exactly that model."""
     from types import SimpleNamespace
 
-    from attnsurg.pipelines import steps as pipeline
+    from attnsurg.pipelines import processes as pipeline
 
     job = mla_job(tiny_checkpoints["llama-gqa"], tmp_path / "out", 0.5, heal=True)
     operated = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])
@@ -359,7 +359,7 @@ def test_two_processes_convert_once_and_heal_together(tiny_checkpoints, corpus_f
 def test_a_heal_run_started_again_reuses_the_operated_model(tiny_checkpoints, tmp_path):
     """The operated model is saved beside the output when healing follows; started again, the run loads it
     (healing resumes only from the same starting weights), unless the surgery step changed."""
-    from attnsurg.pipelines import steps as pipeline
+    from attnsurg.pipelines import processes as pipeline
 
     job = mla_job(tiny_checkpoints["llama-gqa"], tmp_path / "out", 0.5, heal=True)
     operated = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama-gqa"])

@@ -128,7 +128,7 @@ def test_checkpoint_modes_follow_the_umask(tiny, tmp_path, umask, folder, files)
 
 
 def test_a_local_source_card_gives_base_model_and_license(tmp_path):
-    from attnsurg.pipelines.steps import base_model_id, source_license
+    from attnsurg.pipelines.card import base_model_id, source_license
 
     (tmp_path / "README.md").write_text("---\nlicense: mit\nbase_model: org/origin\n---\n\n# a model\n")
     assert base_model_id(str(tmp_path)) == "org/origin" and source_license(str(tmp_path)) == "mit"

@@ -42,7 +42,7 @@ from attnsurg.io.save import staged_checkpoint
 from attnsurg.methods import registered_methods
 from attnsurg.methods.base import SurgeryInputs, method_for
 from attnsurg.methods.planning import PlanContext, PlannedMethod, ScoredText, planned_methods
-from attnsurg.pipelines.steps import check_calibration, load_source, source_windows
+from attnsurg.pipelines.source import check_calibration, load_source, source_windows
 from attnsurg.placement import on_device
 from attnsurg.recipe import Evaluation, Recipe, surgery_step
 from attnsurg.requests import EVAL_DOMAINS, PlanRequest, TextData

@@ -38,7 +38,7 @@ from attnsurg.heads import attention_probabilities, head_projections, layer_mask
 from attnsurg.info import inspect_model
 from attnsurg.io.load import resolve_device
 from attnsurg.io.save import staged_checkpoint
-from attnsurg.pipelines.steps import load_source
+from attnsurg.pipelines.source import load_source
 from attnsurg.placement import on_device
 from attnsurg.requests import AnalyzeRequest, ApproxRequest
 

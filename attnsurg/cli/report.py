@@ -13,7 +13,7 @@ from attnsurg.errors import UserError
 def execute(recipe, dry_run: bool, overwrite: bool, print_recipe: bool, json_output: bool, device: str = "auto") -> None:
     """Run a recipe (what every surgery command does) on ``device`` and print its report."""
     from attnsurg.io.recipe_file import dump_recipe
-    from attnsurg.pipelines.steps import is_main_process
+    from attnsurg.pipelines.processes import is_main_process
     from attnsurg.pipelines.run import run_recipe
 
     if print_recipe and json_output:
@@ -42,7 +42,7 @@ def streamed_note(report) -> str:
 
 def domains_record(report, first: str = "before") -> dict:
     """ppl off the calibration text per domain (``first``: what the first figure is), and the worst domain."""
-    from attnsurg.pipelines.steps import worst_domain
+    from attnsurg.pipelines.scoring import worst_domain
 
     scores = report.domains
     record = {name: {first: before, "after": after, "ratio": after / before} for name, (before, after) in scores.items()}
@@ -51,7 +51,7 @@ def domains_record(report, first: str = "before") -> dict:
 
 def print_domains(report, before: str = "") -> None:
     """One line per evaluation domain off the calibration text, the worst marked."""
-    from attnsurg.pipelines.steps import worst_domain
+    from attnsurg.pipelines.scoring import worst_domain
 
     worst = worst_domain(report.domains)
     for name, (first, after) in report.domains.items():

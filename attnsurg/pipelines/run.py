@@ -27,21 +27,10 @@ from attnsurg.io.guard import check_output_path
 from attnsurg.io.save import write_checkpoint
 from attnsurg.modeling import MODEL_TYPES as ATTNSURG_MODEL_TYPES
 from attnsurg.modeling import MODELING_FILE
-from attnsurg.pipelines.steps import (
-    add_healing,
-    base_model_id,
-    command_line,
-    domain_rows,
-    domain_texts,
-    fetch_domains,
-    is_main_process,
-    load_source,
-    peak_memory_gb,
-    perplexity_row,
-    source_license,
-    score_domains,
-    to_source_dtype,
-)
+from attnsurg.pipelines.card import add_healing, base_model_id, command_line, peak_memory_gb, source_license
+from attnsurg.pipelines.processes import is_main_process
+from attnsurg.pipelines.scoring import domain_rows, domain_texts, fetch_domains, perplexity_row, score_domains
+from attnsurg.pipelines.source import load_source, to_source_dtype
 from attnsurg.pipelines.job import Job, read_paths
 from attnsurg.pipelines.surgery import run_surgery
 from attnsurg.recipe import Recipe

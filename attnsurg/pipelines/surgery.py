@@ -26,22 +26,10 @@ from attnsurg.io.resume import resumable_checkpoint, settings_fingerprint
 from attnsurg.methods.base import StreamTarget, SurgeryInputs, SurgeryReport
 from attnsurg.pipelines.job import Job, read_paths
 from attnsurg.requests import Calibration
-from attnsurg.pipelines.steps import (
-    Surgery,
-    base_model_id,
-    check_calibration,
-    command_line,
-    finish_streamed,
-    finish_surgery,
-    healing_note,
-    load_source_model,
-    operated_once,
-    peak_memory_gb,
-    start_streamed,
-    start_surgery,
-    streams,
-    surgery_device,
-)
+from attnsurg.pipelines.card import base_model_id, command_line, healing_note, peak_memory_gb
+from attnsurg.pipelines.finish import finish_streamed, finish_surgery
+from attnsurg.pipelines.processes import operated_once
+from attnsurg.pipelines.source import Surgery, check_calibration, load_source_model, start_streamed, start_surgery, streams, surgery_device
 
 STREAM_SHARD_SIZE = "2GB"  # finished tensors wait in memory until their shard is complete
 

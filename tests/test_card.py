@@ -1,10 +1,10 @@
-"""pipelines/steps.py: what a run records about how it was started."""
+"""pipelines/card.py: what a run records about how it was started."""
 
 import sys
 
 import pytest
 
-from attnsurg.pipelines.steps import command_line
+from attnsurg.pipelines.card import command_line
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -77,5 +77,9 @@ def ensure_registered() -> None:
     import importlib
     import pkgutil
 
-    for module in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
-        importlib.import_module(module.name)
+    try:
+        for module in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
+            importlib.import_module(module.name)
+    except BaseException:
+        _registering = False  # a failed import is raised again by the next question, never a silent half registry
+        raise

@@ -86,6 +86,7 @@ def test_compress_stream_writes_the_checkpoint_compress_writes(tiny_checkpoints,
                                     ["--method", "loki", "--rank", "8", "--top-k", "0.25"],
                                     ["--method", "loki", "--variance", "0.9", "--top-k", "0.25"],
                                     ["--method", "svdllm", "--targets", "q,k,v,o", "--ratio", "0.5", "--allocate"],
+                                    ["--method", "tucker", "--ratio", "0.5", "--allocate"],
                                     ["--method", "topk", "--top-k", "0.25"]])
 def test_every_other_method_streams_to_the_checkpoint_compress_writes(budget, tiny_checkpoints, corpus_file, tmp_path):
     """Tucker at a --ratio chooses each projection's mode ranks on its data, and Loki at a --variance each layer's

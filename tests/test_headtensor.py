@@ -67,6 +67,37 @@ def test_chosen_tucker_ranks_stay_within_each_budget():
         assert ranks is not None and tucker.parameters(unit.shape, ranks) <= budget
 
 
+def test_allocation_moves_a_layers_budget_to_the_projections_that_lose_most():
+    """Tucker --allocate: each layer spends no more than its uniform budget, no projection gets less than the
+    floor of its own, the summed relative whitened error is no higher than the uniform split's, and the error
+    still falls as the budget grows (full ranks are the exactness test's: a Tucker ratio of 1.0 keeps the
+    parameter count, not the rank)."""
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    stats = calibration(model, "llama")
+    uniform = decomposed(model, "llama", stats, method="tucker", targets="q,k,v,o", ratio=0.5)
+    spread = decomposed(model, "llama", stats, method="tucker", targets="q,k,v,o", ratio=0.5, allocate=True)
+    plan = spread.plan
+    for layer in {u.layer for u in plan.units}:
+        units = [i for i, u in enumerate(plan.units) if u.layer == layer]
+        spent = sum(tucker.parameters(plan.units[i].shape, plan.ranks[i]) for i in units if plan.ranks[i])
+        assert spent <= sum(uniform.plan.budgets[i] for i in units)
+        assert all(plan.budgets[i] >= int(headtensor.ALLOCATION_FLOOR * uniform.plan.budgets[i]) for i in units)
+    assert sum(e**2 for e in spread.errors) <= sum(e**2 for e in uniform.errors) * 1.02
+    assert plan.budgets != uniform.plan.budgets
+    errors = [logit_error(decomposed(model, "llama", stats, method="tucker", targets="q,k,v,o", ratio=r,
+                                     allocate=True).model, model, held_out(), "mse") for r in (0.25, 0.6, 0.9)]
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_allocation_is_for_a_tucker_ratio_only():
+    from attnsurg.methods.headtensor import HeadTensorSettings
+
+    for bad in ({"method": "cp", "ratio": 0.5}, {"method": "tucker", "ranks": (4, 8, 24)},
+                {"method": "tucker", "ratio": 0.5, "stacked": True}):
+        with pytest.raises(ValueError, match="allocate spreads a Tucker --ratio"):
+            HeadTensorSettings(**bad, allocate=True)
+
+
 @pytest.mark.parametrize("method, ranks, module", [("tucker", (4, 8, 24), TuckerProjection), ("cp", (12,), CPProjection)])
 def test_factors_are_shared_across_heads(method, ranks, module):
     """One tensor per mode in the state dict, whatever the number of heads."""

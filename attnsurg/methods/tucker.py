@@ -71,25 +71,38 @@ def ranks_for_budget(shape: tuple[int, int, int], budget: int) -> tuple[int, int
 def best_ranks_for_budget(T: torch.Tensor, budget: int) -> tuple[int, int, int] | None:
     """Among splits of the budget between the head_dim and hidden modes (all heads kept), the one with the
     smallest truncated-HOSVD error of the (whitened) tensor: ||T||^2 - ||T x_2 U_2^T x_3 U_3^T||^2."""
-    shape = tuple(T.shape)
-    H, d, _ = shape
-    limits = max_ranks(shape)
-    U2 = torch.linalg.svd(T.permute(1, 0, 2).reshape(d, -1), full_matrices=False)[0]
-    U3 = torch.linalg.svd(T.permute(2, 0, 1).reshape(shape[2], -1), full_matrices=False)[0]
-    total = T.pow(2).sum()
-    best, best_error = None, float("inf")
-    for fraction in DIM_FRACTIONS:
-        r2 = max(1, round(fraction * limits[1]))
-        r3 = min(hidden_rank_for(shape, H, r2, budget), limits[2])
-        if r3 < 1:
-            continue
-        if r2 == limits[1] and r3 == limits[2]:
-            return None  # the budget affords the full ranks: keep the projection dense
-        core = torch.einsum("hdk,ds,kt->hst", T, U2[:, :r2], U3[:, :r3])
-        error = float(total - core.pow(2).sum())
-        if error < best_error:
-            best, best_error = (H, r2, r3), error
-    return best
+    return BudgetSplits(T).best(budget)[0]
+
+
+class BudgetSplits:
+    """A tensor's mode-2 and mode-3 singular bases, computed once, and for any parameter budget the split
+    between head_dim and hidden ranks with the smallest truncated-HOSVD error."""
+
+    def __init__(self, T: torch.Tensor):
+        self.T, self.shape = T, tuple(T.shape)
+        d, D = self.shape[1], self.shape[2]
+        self.U2 = torch.linalg.svd(T.permute(1, 0, 2).reshape(d, -1), full_matrices=False)[0]
+        self.U3 = torch.linalg.svd(T.permute(2, 0, 1).reshape(D, -1), full_matrices=False)[0]
+        self.total = T.pow(2).sum()
+
+    def best(self, budget: int) -> tuple[tuple[int, int, int] | None, float]:
+        """The best split's ranks (None: the budget affords the full ranks, the projection stays dense) and its
+        squared error relative to ||T||^2."""
+        H, _, _ = self.shape
+        limits = max_ranks(self.shape)
+        best, best_error = None, float("inf")
+        for fraction in DIM_FRACTIONS:
+            r2 = max(1, round(fraction * limits[1]))
+            r3 = min(hidden_rank_for(self.shape, H, r2, budget), limits[2])
+            if r3 < 1:
+                continue
+            if r2 == limits[1] and r3 == limits[2]:
+                return None, 0.0
+            core = torch.einsum("hdk,ds,kt->hst", self.T, self.U2[:, :r2], self.U3[:, :r3])
+            error = float(self.total - core.pow(2).sum())
+            if error < best_error:
+                best, best_error = (H, r2, r3), error
+        return best, best_error / float(self.total.clamp_min(1e-300))
 
 
 def decompose(T: torch.Tensor, ranks: tuple[int, ...], max_iterations: int, tolerance: float, seed: int) -> Fit:

@@ -15,7 +15,7 @@ from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.cli import app
 from attnsurg.io.recipe_file import parse_recipe
 from attnsurg.methods.lowrank import lowrank_settings
-from attnsurg.methods.planning import PLANNED, PlanContext, PlannedMethod
+from attnsurg.methods.planning import PlanContext, PlannedMethod, planned_methods
 from attnsurg.requests import PlanRequest
 
 from conftest import build_tiny, with_mean_direction
@@ -58,7 +58,7 @@ def context(tmp_path_factory):
 @pytest.mark.parametrize("method", ["svdllm", "svdllm-allocate", "loki", "mla", "tucker", "cp"])
 def test_each_proxy_falls_as_the_budget_grows_and_vanishes_at_full_budget(context, method):
     budgets = (0.25, 0.5, 0.75, 1.0)
-    per_layer = PLANNED[method].proxy(context, budgets)
+    per_layer = planned_methods()[method].proxy(context, budgets)
     assert len(per_layer) == len(budgets) and all(len(row) == 2 for row in per_layer)
     totals = [sum(row) for row in per_layer]
     assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1], totals
@@ -70,7 +70,7 @@ def test_each_proxy_falls_as_the_budget_grows_and_vanishes_at_full_budget(contex
 
 
 def test_the_linear_proxy_falls_as_the_window_grows_and_vanishes_at_the_whole_window(context):
-    per_layer = PLANNED["linear"].proxy(context, (4, 16, 32, 64))
+    per_layer = planned_methods()["linear"].proxy(context, (4, 16, 32, 64))
     totals = [sum(row) for row in per_layer]
     assert totals == sorted(totals, reverse=True) and totals[0] > totals[2] > 0 and totals[-1] == 0, totals
 
@@ -80,9 +80,9 @@ def test_loki_variance_at_full_variance_selects_the_true_top_keys(context):
     nothing against them; fewer coordinates miss more."""
     from attnsurg.methods.loki import LOKI_VARIANCE_TOP_K
 
-    by_variance = [sum(row) for row in PLANNED["loki-variance"].proxy(context, (0.3, 0.6, 1.0))]
+    by_variance = [sum(row) for row in planned_methods()["loki-variance"].proxy(context, (0.3, 0.6, 1.0))]
     assert by_variance[0] > by_variance[1] > 0 and abs(by_variance[-1]) < 1e-3 * by_variance[0], by_variance
-    settings = PLANNED["loki-variance"].settings(0.9, context.anatomy)
+    settings = planned_methods()["loki-variance"].settings(0.9, context.anatomy)
     assert settings.variance == 0.9 and settings.rank is None and settings.top_k == LOKI_VARIANCE_TOP_K
 
 
@@ -119,10 +119,10 @@ def test_unknown_methods_are_one_line_and_exit_2(tiny_checkpoints, tmp_path):
 
 def test_allocated_ranks_lose_no_more_energy_than_uniform_ones_at_the_same_cache(context):
     budgets = (0.25, 0.5)
-    uniform = [sum(row) for row in PLANNED["svdllm"].proxy(context, budgets)]
-    allocated = [sum(row) for row in PLANNED["svdllm-allocate"].proxy(context, budgets)]
+    uniform = [sum(row) for row in planned_methods()["svdllm"].proxy(context, budgets)]
+    allocated = [sum(row) for row in planned_methods()["svdllm-allocate"].proxy(context, budgets)]
     assert all(a <= u + 1e-9 for a, u in zip(allocated, uniform)), (allocated, uniform)
-    assert PLANNED["svdllm-allocate"].settings(0.5, context.anatomy).allocate
+    assert planned_methods()["svdllm-allocate"].settings(0.5, context.anatomy).allocate
 
 
 def test_the_target_holds_for_the_worst_of_the_scored_texts(tiny_checkpoints, corpus_file, tmp_path):

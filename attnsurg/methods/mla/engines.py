@@ -19,6 +19,11 @@ VLLM_PREFILL_DIMS = ((128, 64, 128), (192, 64, 256), (64, 64, 128))
 VLLM_ROPE_DIM = 64  # the one qk_rope width of those prefill shapes
 
 
+def vllm_kv_rank(width: int) -> int:
+    """The latent rank that gives a cache ``width`` wide: the latent, its norm channel and the RoPE key."""
+    return width - VLLM_ROPE_DIM - 1
+
+
 def vllm_split(values: int, original: int, head_dim: int, budget: float) -> tuple[int, int]:
     """(rope_dim, kv_rank) of the widest vLLM MLA width within ``values`` cached values per token (the
     latent's norm channel counts toward the width); a UserError saying what the narrowest one would cost
@@ -28,7 +33,7 @@ def vllm_split(values: int, original: int, head_dim: int, budget: float) -> tupl
                         f"head dim {head_dim}; convert without --engine vllm")
     widths = ", ".join(map(str, VLLM_MLA_WIDTHS))
     if fitting := [width for width in VLLM_MLA_WIDTHS if width <= values]:
-        return VLLM_ROPE_DIM, max(fitting) - VLLM_ROPE_DIM - 1
+        return VLLM_ROPE_DIM, vllm_kv_rank(max(fitting))
     narrowest = VLLM_MLA_WIDTHS[0]
     if narrowest > original:
         raise UserError(f"vllm's MLA kernels cache {widths} values per token, and this model's whole KV cache is "
@@ -49,8 +54,9 @@ def vllm_head_dims(plan: MLAPlan) -> tuple[int, int] | None:
 
 def vllm_width_hint(plan: MLAPlan) -> str:
     """The vLLM widths this model's KV cache can hold, as the flags that give them."""
-    hints = [f"--kv-rank {width - 64 - 1} --rope-dim 64 gives {width} ({width / plan.original_values:.0%} of the cache)"
-             for width in VLLM_MLA_WIDTHS if width <= plan.original_values and plan.head_dim >= 64]
+    hints = [f"--kv-rank {vllm_kv_rank(width)} --rope-dim {VLLM_ROPE_DIM} gives {width} "
+             f"({width / plan.original_values:.0%} of the cache)"
+             for width in VLLM_MLA_WIDTHS if width <= plan.original_values and plan.head_dim >= VLLM_ROPE_DIM]
     return "; ".join(hints) if hints else f"none fits this model's {plan.original_values} KV values per token"
 
 

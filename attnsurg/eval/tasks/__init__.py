@@ -15,6 +15,7 @@ from attnsurg.eval.tasks.cloze import load_cloze_items, score_cloze
 from attnsurg.eval.tasks.facts import load_fact_items, score_facts
 from attnsurg.eval.tasks.harness import check_harness_tasks, run_harness
 from attnsurg.eval.tasks import retrieval
+from attnsurg.eval.tasks.scoring import grouped_queries_in_sdpa
 from attnsurg.eval.tasks.passkey import check_lengths, default_lengths, passkey_items, score_passkey
 from attnsurg.requests import TasksEval
 
@@ -130,7 +131,8 @@ def run_tasks(request: TasksEval) -> TasksReport:
     for ref in request.models:
         loaded = prepare_for_eval(ref, request.device, request.dtype)
         load_weights(loaded)
-        record = score_model(request, loaded, items)
+        with grouped_queries_in_sdpa(loaded.device):
+            record = score_model(request, loaded, items)
         if manager is not None:
             record.harness = run_harness(loaded.model, loaded.tokenizer, request.lm_eval, manager, request.limit)
         report.models.append(record)

@@ -3,13 +3,15 @@
 sample's evaluation half, from a seeded offset per haystack).
 
 Each haystack is read once (``scoring.prefill``, in chunks) and every question about it continues a copy of
-its cache (``scoring.greedy_after``), decoding only until the credit is settled (a lookup's number has ended),
-so a length costs a few prefills and a few decode steps per question.
+its cache (``scoring.greedy_after``), guessing the right answer so that one forward checks all of its tokens,
+and decoding only until the credit is settled (a lookup's number has ended or left the value). So a length
+costs a few prefills and a forward or two per question.
 
 Variants (``VARIANTS``):
 
-- ``multikey``: eight needles, "One of the special magic numbers for {key} is: {value}.", at spread depths,
-  each asked in turn while the other seven stand as distractors (RULER's ``niah_multikey_1``);
+- ``multikey``: sixteen needles, "One of the special magic numbers for {key} is: {value}.", at spread depths,
+  each asked in turn while the other fifteen stand as distractors (RULER's ``niah_multikey_1``, with more
+  needles so that a length needs five prefills for 80 questions); keys share no word within a haystack;
 - ``single``: one needle a haystack, its depth moving across the haystacks (``niah_single_2``);
 - ``multivalue``: two keys with four values each, all four asked for at once; credit is the share named
   (``niah_multivalue``);
@@ -39,7 +41,7 @@ from attnsurg.eval.tasks.scoring import encode, greedy_after, prefill
 VARIANTS = ("multikey", "single", "multivalue", "tracking")
 DEFAULT_VARIANTS = ("multikey",)
 DEFAULT_QUESTIONS = 80  # per length and variant: a standard error of at most 0.056
-FIRST_LENGTH = 1024
+FIRST_LENGTH = 2048  # 16 needles take about a third of 1K tokens: shorter lengths are asked for by name
 HAYSTACK = "wiki-sample"
 SEED = 0
 
@@ -73,16 +75,25 @@ class Question:
     answers: tuple[str, ...]
     all_of: bool = False
 
+    def guess(self, generated: str) -> str:
+        """What a right reply says next (checked in one forward, ``scoring.greedy_after``): the answer, until
+        one is begun; then nothing."""
+        if re.search(r"\d", generated) or any(answer in generated for answer in self.answers):
+            return ""
+        answer = ", ".join(self.answers) + "."
+        return answer if generated[-1:].isspace() else " " + answer
+
     @property
     def new_tokens(self) -> int:
         return 12 if not self.all_of else 12 * len(self.answers)
 
     def settled(self, generated: str) -> bool:
-        """Whether more tokens can no longer change the credit: a lookup's first number has ended, or every
-        expected answer is named."""
+        """Whether more tokens can no longer change the credit: a lookup's first number has ended or has
+        left the value's digits, or every expected answer is named."""
         if self.all_of:
             return all(answer in generated for answer in self.answers)
-        return re.search(r"\d+\D", generated) is not None
+        first = re.search(r"\d+", generated)
+        return first is not None and (first.end() < len(generated) or not self.answers[0].startswith(first.group(0)))
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,8 @@ class Haystack:
     questions: tuple[Question, ...] = field(default_factory=tuple)
 
 
-QUESTIONS_PER_HAYSTACK = {"multikey": 8, "single": 1, "multivalue": 2, "tracking": 2}
+NEEDLES = 16  # multikey: needles in one haystack, each asked in turn with the others as distractors
+QUESTIONS_PER_HAYSTACK = {"multikey": NEEDLES, "single": 1, "multivalue": 2, "tracking": 2}
 CHAIN_LENGTH = 5  # variables in one tracking chain
 
 
@@ -133,7 +145,8 @@ def number(rng: random.Random) -> str:
 
 
 def distinct_keys(rng: random.Random, count: int) -> list[str]:
-    return rng.sample([f"{a}-{n}" for a in ADJECTIVES for n in NOUNS], count)
+    """Keys that share no word with each other, so no two are told apart by one word alone."""
+    return [f"{a}-{n}" for a, n in zip(rng.sample(ADJECTIVES, count), rng.sample(NOUNS, count), strict=True)]
 
 
 def variable_names(rng: random.Random, count: int) -> list[str]:
@@ -146,7 +159,7 @@ def variable_names(rng: random.Random, count: int) -> list[str]:
 def hidden_facts(variant: str, rng: random.Random) -> tuple[list[str], list[Question]]:
     """The sentences hidden in one haystack (in the order they are placed) and the questions about them."""
     if variant == "multikey":
-        keys = distinct_keys(rng, 8)
+        keys = distinct_keys(rng, NEEDLES)
         values = [number(rng) for _ in keys]
         facts = [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values, strict=True)]
         return facts, [Question(ASK_ONE.format(key=k), (v,)) for k, v in zip(keys, values, strict=True)]
@@ -243,6 +256,7 @@ def score_retrieval(model, tokenizer, items: list[Haystack]) -> TaskResult:
         read = prefill(model, encode(tokenizer, haystack.context))
         for question in haystack.questions:
             answer = greedy_after(model, read, encode(tokenizer, question.text), question.new_tokens,
+                                  guess=lambda tokens, q=question: encode(tokenizer, q.guess(tokenizer.decode(tokens))),
                                   finished=lambda tokens, q=question: q.settled(tokenizer.decode(tokens)))
             credits.append(credit(tokenizer.decode(answer), question))
             rows.append(f"{haystack.variant} {haystack.length}" if several else str(haystack.length))
@@ -261,7 +275,7 @@ def score_retrieval(model, tokenizer, items: list[Haystack]) -> TaskResult:
 
 # ---------------------------------------------------------------------------------------- lengths
 def default_lengths(max_positions: int) -> list[int]:
-    """1024, 2048, 4096, ... and the model's whole context last (as written in its config)."""
+    """2048, 4096, ... and the model's whole context last (as written in its config)."""
     lengths, length = [], FIRST_LENGTH
     while length < max_positions:
         lengths.append(length)

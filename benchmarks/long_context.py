@@ -34,6 +34,7 @@ from attnsurg.io.recipe_file import shipped_recipes
 from attnsurg.requests import ModelRef, PerplexityEval, TasksEval, TextData
 from common import write_result
 from quality_matrix import DEMO, checkpoint_for, refusal
+from results_doc import long_context_table
 
 LONGEST_DEFAULT = 16384  # past it a CPU run takes hours: ask for longer lengths by name
 
@@ -75,30 +76,6 @@ def row_of(name: str, record: dict, original: dict) -> dict:
                                   for band, ppl in record["ppl_by_position"].items()},
         "seconds": record["seconds"],
     }
-
-
-def long_context_table(rows: list[dict]) -> str:
-    """Retrieval (rate, and the share of the original's hits kept) per length, then the perplexity ratio per
-    position band."""
-    reference = next(row for row in rows if "retrieval" in row)
-    lengths, bands = list(reference["retrieval"]), list(reference["ppl_ratio_by_position"])
-    header = ["recipe"] + [f"retrieval {short(n)} (kept)" for n in lengths] + [f"ppl {band}" for band in bands]
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for row in rows:
-        if "refused" in row:
-            lines.append(f"| {row['name']} | refused: {row['refused']} |")
-            continue
-        cells = [row["name"]]
-        cells += [f"{row['retrieval'][n]:.2f} ± {row['retrieval_stderr'][n]:.2f} ({row['retrieval_kept'][n]:.2f})"
-                  for n in lengths]
-        cells += [f"x{row['ppl_ratio_by_position'][band]:.3f}" for band in bands]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def short(length: str | int) -> str:
-    n = int(length)
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def main() -> None:

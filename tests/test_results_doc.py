@@ -83,3 +83,31 @@ def test_the_committed_docs_match_the_committed_runs():
     assert runs, "docs/results/ holds no quality_matrix*.json"
     assert results_doc.DOC.read_text() == results_doc.results_doc(runs)
     assert results_doc.README.read_text() == results_doc.with_summary(results_doc.README.read_text(), runs)
+
+
+def long_row(name: str, rates: list[float], kept: list[float], late: float) -> dict:
+    lengths = ["2048", "8192"]
+    return {"name": name, "retrieval": dict(zip(lengths, rates)), "retrieval_stderr": {n: 0.05 for n in lengths},
+            "retrieval_kept": dict(zip(lengths, kept)), "ppl_ratio_by_position": {"0-4K": 1.1, "4K-8K": late}}
+
+
+def long_run(model: str, *rows: dict) -> dict:
+    return {**run(model, *rows), "context": 8192,
+            "settings": {"lengths": [2048, 8192], "questions": 80, "ppl_length": 8192, "ppl_windows": 2,
+                         "ppl_text": "wiki-sample"}}
+
+
+def test_long_context_rows_go_under_their_model_and_into_the_summary():
+    original = row("original", 1000, {"wiki-sample": 1.0, "c4-sample": 1.0}, 1.0)
+    matrix = run("smollm2-135m", original, row("mla-50", 500, {"wiki-sample": 1.3, "c4-sample": 1.5}, 0.82),
+                 row("tucker-50", 800, {"wiki-sample": 2.0, "c4-sample": 1.1}, 0.5))
+    long = long_run("smollm2-135m", long_row("original", [0.5, 0.4], [1.0, 1.0], 1.0),
+                    long_row("mla-50", [0.3, 0.0], [0.5, 0.0], 1.9))
+    page = results_doc.results_doc([matrix], [long])
+    assert "### Long context" in page and "python benchmarks/long_context.py`" in page
+    assert "| mla-50 | 0.30 ± 0.05 (0.50) | 0.00 ± 0.05 (0.00) | x1.100 | x1.900 |" in page
+    lines = results_doc.summary_table([matrix], [long]).splitlines()
+    assert lines[0].endswith("facts kept · retrieval kept at 8K |")
+    assert lines[2] == "| mla-50 | x0.50 · x1.50 c4 · 0.82 · 0.00 |"
+    assert lines[3] == "| tucker-50 | x0.80 · x2.00 wiki · 0.50 · - |"  # no long-context run of it yet
+    assert "Long context" not in results_doc.results_doc([matrix])  # a model without a run gets no section

@@ -39,14 +39,14 @@ from attnsurg.requests import (
 
 def surgery_recipe(model: str | ModelRef, output: str | Path, step, calibration: Calibration | dict | None,
                    heal: HealSettings | dict | None, eval_tokens: int, eval_domains: list[str] | tuple[str, ...],
-                   seed: int) -> Recipe:
+                   seed: int, eval_long: int = 0) -> Recipe:
     """The recipe a ``convert`` or ``compress`` command builds from its options."""
     steps = [step] + ([HealStep(heal=heal)] if heal is not None else [])
     from attnsurg.methods.base import method_for
 
     default = method_for(step.convert if isinstance(step, ConvertStep) else step.compress).calibration
     return Recipe(model=model, output=Path(output), steps=steps, calibration=calibration or default,
-                  eval={"tokens": eval_tokens, "domains": list(eval_domains)}, seed=seed)
+                  eval={"tokens": eval_tokens, "domains": list(eval_domains), "long_context": eval_long}, seed=seed)
 
 
 def run(recipe: Recipe | str | Path, overwrite: bool = False, device: str = "auto", dry_run: bool = False):
@@ -59,8 +59,8 @@ def run(recipe: Recipe | str | Path, overwrite: bool = False, device: str = "aut
 
 def convert(model: str, output: str | Path, *, to: str = "mla", calibration: Calibration | dict | None = None,
             heal: HealSettings | dict | None = None, eval_tokens: int = 2048,
-            eval_domains: list[str] | tuple[str, ...] = EVAL_DOMAINS, seed: int = 0, overwrite: bool = False,
-            device: str = "auto", dry_run: bool = False, **settings):
+            eval_domains: list[str] | tuple[str, ...] = EVAL_DOMAINS, eval_long: int = 0, seed: int = 0,
+            overwrite: bool = False, device: str = "auto", dry_run: bool = False, **settings):
     """``attnsurg convert MODEL --to mla`` (or ``linear``); ``settings`` are the target's settings fields
     (``MLASettings``: ``kv_budget=0.5``, ``format="exact"``, ...; ``LinearSettings``: ``window=128``, ...).
     Returns the method's report (``ConvertReport``, ``LinearReport``)."""
@@ -69,18 +69,18 @@ def convert(model: str, output: str | Path, *, to: str = "mla", calibration: Cal
     if (target := settings_for_target(to)) is None:
         raise UserError(f"to={to!r} is not supported; available: {', '.join(convert_target_names())}")
     step = ConvertStep(convert=target(to=to, **settings))
-    recipe = surgery_recipe(model, output, step, calibration, heal, eval_tokens, eval_domains, seed)
+    recipe = surgery_recipe(model, output, step, calibration, heal, eval_tokens, eval_domains, seed, eval_long)
     return run(recipe, overwrite, device, dry_run)
 
 
 def compress(model: str, output: str | Path, *, method: str, calibration: Calibration | dict | None = None,
              heal: HealSettings | dict | None = None, eval_tokens: int = 2048,
-             eval_domains: list[str] | tuple[str, ...] = EVAL_DOMAINS, seed: int = 0, overwrite: bool = False,
-             device: str = "auto", dry_run: bool = False, **settings):
+             eval_domains: list[str] | tuple[str, ...] = EVAL_DOMAINS, eval_long: int = 0, seed: int = 0,
+             overwrite: bool = False, device: str = "auto", dry_run: bool = False, **settings):
     """``attnsurg compress MODEL --method M``; ``settings`` are the method's settings fields (``ratio=0.5``,
     ``targets=("k", "v")``, ``kv_latent=True``, ``top_k=64``, ...). Returns the ``CompressReport``."""
     step = CompressStep(compress={"method": method, **settings})
-    recipe = surgery_recipe(model, output, step, calibration, heal, eval_tokens, eval_domains, seed)
+    recipe = surgery_recipe(model, output, step, calibration, heal, eval_tokens, eval_domains, seed, eval_long)
     return run(recipe, overwrite, device, dry_run)
 
 

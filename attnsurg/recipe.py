@@ -231,13 +231,27 @@ Step = Annotated[
 ]
 
 
+LONG_CONTEXT_MIN = 2048  # the long-context check's 16 needles fill about a third of 1K tokens
+
+
 class Evaluation(Strict):
     """Scored after the surgery (and healing): the first ``tokens`` of the eval part of the calibration
     dataset and of each of ``domains`` (built-in texts; the calibration domain alone flatters every method),
-    source and result on the same windows."""
+    source and result on the same windows; and, at ``long_context`` tokens, retrieval and the perplexity of
+    the last positions (``eval.long_context``)."""
 
     tokens: int = Field(2048, ge=0)
     domains: EvalDomainList = Field(default_factory=lambda: list(EVAL_DOMAINS))
+    long_context: int = Field(0, ge=0, description="A length (e.g. 8192) at which retrieval and late-position "
+                              "perplexity are also scored, source and result; 0: not scored.")
+
+    @field_validator("long_context")
+    @classmethod
+    def _long_enough_for_the_needles(cls, value: int) -> int:
+        if 0 < value < LONG_CONTEXT_MIN:
+            raise ValueError(f"is {value} tokens; the long-context check needs at least {LONG_CONTEXT_MIN} "
+                             "(its 16 needles fill about a third of 1K), or 0 for none")
+        return value
 
 
 class Recipe(Strict):

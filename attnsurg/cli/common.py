@@ -217,6 +217,8 @@ EvalDomains = Annotated[
                  show_default=",".join(d.removesuffix("-sample") for d in EVAL_DOMAINS)),
 ]
 DEFAULT_EVAL_DOMAINS = ",".join(EVAL_DOMAINS)
+EvalLong = Annotated[int, typer.Option("--eval-long", help="Retrieval, late ppl at N tokens too.",
+                                       rich_help_panel=EVALUATION, show_default=False)]
 EvalDType = Annotated[str, typer.Option("--dtype", help="auto (CPU: fp32), float32, bfloat16, float16.",
                                         rich_help_panel=OUTPUT)]
 EvalDevice = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.", rich_help_panel=OUTPUT)]

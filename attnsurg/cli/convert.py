@@ -22,6 +22,7 @@ from attnsurg.cli.common import (
     CalibText,
     DryRun,
     EvalDomains,
+    EvalLong,
     EvalTokens,
     JsonFlag,
     Overwrite,
@@ -153,6 +154,7 @@ def convert(
                                                        hidden=True)] = LINEAR.features_before_rope,
     eval_tokens: EvalTokens = Evaluation().tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
+    eval_long: EvalLong = 0,
     dry_run: DryRun = False,
     print_recipe: PrintRecipe = False,
     overwrite: Overwrite = False,
@@ -177,7 +179,7 @@ def convert(
     reference = ModelRef(ref=model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     recipe = surgery_recipe(reference, output or Path("OUT"), ConvertStep(convert=settings),  # a dry run writes nothing
                             calibration_from(calib_dataset, calib_text, calib_tokens, calib_seq_len), None, eval_tokens,
-                            eval_domains_from(eval_domains), seed)
+                            eval_domains_from(eval_domains), seed, eval_long)
     execute(recipe, dry_run, overwrite, print_recipe, json_output, device)
 
 

@@ -49,6 +49,14 @@ def domains_record(report, first: str = "before") -> dict:
     return {"scores": record, "worst": worst_domain(scores)}
 
 
+def long_context_record(report) -> dict | None:
+    if getattr(report, "long_context", None) is None:
+        return None
+    before, after = report.long_context
+    return {"length": before.length, "band": before.band, "hits_before": before.hits, "hits_after": after.hits,
+            "late_ppl_before": before.late_ppl, "late_ppl_after": after.late_ppl}
+
+
 def print_domains(report, before: str = "") -> None:
     """One line per evaluation domain off the calibration text, the worst marked."""
     from attnsurg.pipelines.scoring import worst_domain
@@ -69,6 +77,11 @@ def print_ppl(report) -> None:
     out.print(f"ppl {report.ppl_before:.3f} -> {surgery}{report.ppl_after:.3f}{healed} (x{report.ppl_after / report.ppl_before:.3f}) "
               "on the calibration text's eval part")
     print_domains(report)
+    if getattr(report, "long_context", None) is not None:
+        from attnsurg.eval.long_context import long_context_line
+
+        before, after = report.long_context
+        out.print(long_context_line(before, after), highlight=False)
 
 
 def heal_record(heal) -> dict | None:
@@ -98,7 +111,8 @@ def print_surgery_report(model: str, report, dry_run: bool, json_output: bool) -
         record = method.report_record(report) | {
             "written": report.written, "seconds": report.seconds, method.seconds_key: report.operation_seconds,
             "peak_memory_gb": report.peak_memory_gb, "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
-            "heal": heal_record(report.heal), "domains": domains_record(report), "streamed": report.streamed}
+            "heal": heal_record(report.heal), "domains": domains_record(report), "streamed": report.streamed,
+            "long_context": long_context_record(report)}
         print(json.dumps(record, indent=2))
         return
     for renderable in method.report_text(model, report, dry_run):

@@ -90,6 +90,7 @@ class SurgeryReport:
     ppl_before: float | None = None
     ppl_after: float | None = None
     domains: dict[str, tuple[float, float]] = field(default_factory=dict)  # ppl before/after off the calibration text
+    long_context: Any = None  # source and result's eval.long_context.LongContextScore, where asked for
     heal: Any = None  # a heal.HealReport when the recipe heals
     errors: list = field(default_factory=list)  # each unit's relative error, where the method measures one
     streamed: bool = False  # the source read one decoder layer at a time

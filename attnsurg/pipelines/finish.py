@@ -20,7 +20,7 @@ from attnsurg.io.recipe_file import RECIPE_FILE, dump_recipe
 from attnsurg.pipelines.job import Job
 from attnsurg.pipelines.card import add_healing, generation_config, parameter_rows, peak_memory_gb, source_license, source_note
 from attnsurg.pipelines.processes import is_main_process
-from attnsurg.pipelines.scoring import add_score_rows, perplexities, record_scores, scored_texts
+from attnsurg.pipelines.scoring import add_score_rows, long_context_of, perplexities, record_scores, scored_texts
 from attnsurg.pipelines.source import Surgery, to_source_dtype
 
 
@@ -35,13 +35,16 @@ def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: S
     texts = scored_texts(surgery.tokenizer, job, report.anatomy)
     offloaded = False
     if texts:
-        scores = []
+        scores, checks = [], []
         for label, path in (("the source", Path(source.path)), ("the result", staging)):
             model = scoring_model(path, surgery.device)  # one model in memory at a time
             offloaded |= hasattr(model, OFFLOADED)
             scores.append(perplexities(model, texts, label))
+            if not offloaded:  # the long-context check reads a cache: not through disk offload
+                checks.append(long_context_of(model, surgery.tokenizer, job, label))
             del model
         record_scores(report, texts, *scores)
+        report.long_context = tuple(checks) if len(checks) == 2 and None not in checks else None
     info = card()
     info.license = info.license or source_license(recipe.model.ref)
     info.remote_code = bool(getattr(written, "auto_map", None))
@@ -75,6 +78,10 @@ def finish_surgery(
     if texts:
         record_scores(report, texts, perplexities(surgery.model, texts, "the source", surgery.device),
                       perplexities(result, texts, "the result", surgery.device))
+    if job.recipe.eval.long_context:
+        checks = [long_context_of(model, surgery.tokenizer, job, label, surgery.device)
+                  for model, label in ((surgery.model, "the source"), (result, "the result"))]
+        report.long_context = None if None in checks else tuple(checks)
     to_source_dtype(result, anatomy)
     report.seconds = time.perf_counter() - surgery.started
     report.peak_memory_gb = peak_memory_gb()

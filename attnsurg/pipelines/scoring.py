@@ -86,6 +86,19 @@ def perplexities(model: PreTrainedModel, texts: list[ScoredText], label: str, de
             for i, (name, tokens, windows) in enumerate(texts)]
 
 
+def long_context_of(model: PreTrainedModel, tokenizer, job: Job, label: str, device: torch.device | None = None):
+    """The recipe's long-context check of one model (``eval.long_context`` tokens), or None when not asked
+    for or on a process that does not score."""
+    length = job.recipe.eval.long_context
+    if not length or not is_main_process():
+        return None
+    from attnsurg.eval.long_context import long_context_score
+    from attnsurg.placement import on_device
+
+    with on_device(model, device):
+        return long_context_score(model, tokenizer, length, label)
+
+
 def record_scores(report, texts: list[ScoredText], before: list[float], after: list[float]) -> None:
     report.ppl_before, report.ppl_after = before[0], after[0]
     report.domains = {name: (b, a) for (name, _, _), b, a in zip(texts[1:], before[1:], after[1:], strict=True)}
@@ -98,6 +111,13 @@ def add_score_rows(info: CardInfo, job: Job, report) -> None:
     info.figures.append(perplexity_row(scored_text(job.recipe.calibration.data), job.recipe.eval.tokens, report.ppl_before,
                                        report.ppl_after, f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))
     info.figures.extend(domain_rows(report.domains, job.recipe.eval.tokens))
+    if report.long_context is not None:
+        before, after = report.long_context
+        length = job.recipe.eval.long_context
+        info.figures.append({"metric": f"retrieval at {length} tokens (multikey, {len(before.hits)} questions)",
+                             "before": f"{before.rate:.3f}", "after": f"{after.rate:.3f}"})
+        info.figures.append({"metric": f"ppl at positions {before.band} of one {length}-token window",
+                             "before": f"{before.late_ppl:.3f}", "after": f"{after.late_ppl:.3f}"})
 
 
 def perplexity_row(data: TextData, eval_tokens: int, before: float, after: float, note: str = "") -> dict[str, str]:

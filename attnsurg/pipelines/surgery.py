@@ -27,6 +27,7 @@ from attnsurg.methods.base import StreamTarget, SurgeryInputs, SurgeryReport
 from attnsurg.pipelines.job import Job, read_paths
 from attnsurg.requests import Calibration
 from attnsurg.pipelines.card import base_model_id, command_line, healing_note, peak_memory_gb
+from attnsurg.eval.long_context import check_long_context
 from attnsurg.pipelines.finish import finish_streamed, finish_surgery
 from attnsurg.pipelines.processes import operated_once
 from attnsurg.pipelines.source import Surgery, check_calibration, load_source_model, start_streamed, start_surgery, streams, surgery_device
@@ -47,6 +48,7 @@ def run_surgery(job: Job, dry_run: bool = False) -> SurgeryReport:
     """Operate (and heal, when the recipe has a heal step); with ``dry_run`` only plan."""
     source, anatomy, report = planned(job)
     check_calibration(job.recipe.calibration, anatomy, read_text=dry_run)  # a run reads it before the weights load
+    check_long_context(job.recipe.eval.long_context, anatomy.max_positions)
     if dry_run:
         return report
     job = replace(job, reads=read_paths(job.recipe, source))

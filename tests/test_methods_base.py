@@ -87,18 +87,36 @@ def test_each_planned_method_is_registered_by_its_own_module_once():
         register_planned(PLANNED["mla"])
 
 
-def test_the_command_line_starts_without_torch_or_any_method():
-    """``attnsurg --help`` (every command module imported) loads neither torch nor transformers nor a method
-    module: methods register on the first question to the registry."""
+@pytest.mark.parametrize("start, heavy_libraries", [
+    ("import attnsurg.cli", ("torch", "transformers")),
+    # a command's run quiets transformers' logging first (``cli.common.quiet_libraries``): its light part only
+    ("from attnsurg.cli import main; sys.argv = ['attnsurg', 'compress', '--help']\ntry: main()\nexcept SystemExit: pass",
+     ("torch", "transformers.models", "transformers.modeling_utils")),
+])
+def test_the_command_line_starts_without_torch_or_any_method(start, heavy_libraries):
+    """``attnsurg --help`` (every command module imported) and ``compress --help`` (listing every method) load
+    neither torch nor a model nor a method module: methods register on the first question to the registry, and
+    their names come from the catalog."""
     import subprocess
     import sys
 
-    probe = ("import sys; import attnsurg.cli; "
+    probe = (f"import sys\n{start}\n"
              "light = lambda m: getattr(sys.modules[m], '__file__', '').endswith(('__init__.py', 'settings.py')); "
-             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
-             "or (m.startswith('attnsurg.methods') and not light(m))); print(heavy)")
+             f"heavy = sorted(m for m in sys.modules if m.startswith({heavy_libraries!r}) "
+             "or (m.startswith('attnsurg.methods') and not light(m) and m != 'attnsurg.methods.catalog')); "
+             "print(heavy, file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]", result.stdout
+    assert result.stderr.strip().splitlines()[-1] == "[]", result.stderr
+
+
+def test_the_catalog_names_what_the_modules_register():
+    from attnsurg.methods import catalog, registered_methods
+    from attnsurg.methods.base import surgery_methods
+
+    registered = {catalog.Entry(name, method.step, type(method).__module__.split(".")[2])
+                  for method in surgery_methods() for name in method.names}
+    assert registered == set(catalog.CATALOG)
+    assert list(registered_methods()) == list(dict.fromkeys(entry.name for entry in catalog.CATALOG))
 
 
 def test_every_listing_of_methods_is_in_one_order_whatever_was_imported_first():

@@ -50,14 +50,13 @@ FLAGS = {"targets": "--targets", "ratio": "--ratio", "rank": "--rank", "ranks": 
 
 
 class CompressCommand(TyperCommand):
-    """Lists the registered methods in ``--method``'s help when help is asked for (importing the methods loads
-    torch, which the rest of the command line does not need)."""
+    """Lists the methods in ``--method``'s help, from the catalog (no method, and no torch, is imported)."""
 
     def format_help(self, ctx, formatter) -> None:
-        from attnsurg.methods.base import compress_method_names
+        from attnsurg.methods.catalog import names
 
         method = next(param for param in self.params if param.name == "method")
-        method.help = f"{', '.join(compress_method_names())}."
+        method.help = f"{', '.join(names('compress'))}."
         super().format_help(ctx, formatter)
 
 

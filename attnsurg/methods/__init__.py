@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from attnsurg.methods.catalog import modules
+
 if TYPE_CHECKING:
     from attnsurg.arch.anatomy import AttentionAnatomy
 
@@ -35,8 +37,8 @@ METHODS: dict[str, MethodSpec] = {}
 _REGISTERED_BY: dict[str, str] = {}  # method name -> the module that registered it
 
 # The order every listing of methods takes (help, errors, ``info --methods``), whatever order their modules were
-# imported in: by the module (or package) that registers them, registration order within one.
-MODULE_ORDER = ("lowrank", "headtensor", "linear", "loki", "mla", "stacked_tucker", "topk")
+# imported in: by the module (or package) that registers them (``catalog.CATALOG``), registration order within one.
+MODULE_ORDER = modules()
 
 
 def listing_rank(module: str) -> tuple[int, str]:

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics, attention_layers, input_statistics
+from attnsurg.methods import catalog
 from attnsurg.methods.consumers import PROJECTIONS, LayerContext, layer_contexts
 from attnsurg.recipe import CompressSettings
 from attnsurg.requests import COMMAND_CALIBRATION, Calibration
@@ -331,8 +332,8 @@ def compress_methods() -> list[CompressMethod]:
 
 
 def compress_method_names() -> list[str]:
-    """Every ``--method`` value, in the order the methods registered."""
-    return list(dict.fromkeys(name for method in compress_methods() for name in method.names))
+    """Every ``--method`` value, in listing order (read from the catalog: no method is imported)."""
+    return catalog.names("compress")
 
 
 def settings_for_method(name: str) -> type[CompressSettings] | None:
@@ -345,8 +346,8 @@ def convert_methods() -> list[SurgeryMethod]:
 
 
 def convert_target_names() -> list[str]:
-    """Every ``--to`` value, in the order the methods registered."""
-    return list(dict.fromkeys(name for method in convert_methods() for name in method.names))
+    """Every ``--to`` value, in listing order (read from the catalog: no method is imported)."""
+    return catalog.names("convert")
 
 
 def settings_for_target(name: str) -> type | None:

@@ -36,7 +36,7 @@ from attnsurg.distillation import Head, LossWeights, logit_loss, residual_stream
 from attnsurg.errors import UserError
 from attnsurg.eval.perplexity import perplexity_of, scoring_windows
 from attnsurg.io.save import refused_writes
-from attnsurg.methods.mla import hold_norm_channel, norm_channel_of
+from attnsurg.methods.mla.refine import hold_norm_channel, norm_channel_of
 from attnsurg.recipe import HealSettings
 from attnsurg.requests import TextData
 

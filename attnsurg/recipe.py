@@ -21,7 +21,6 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from attnsurg.requests import (
-    COMMAND_CALIBRATION,
     EVAL_DOMAINS,
     Calibration,
     EvalDomainList,
@@ -32,19 +31,6 @@ from attnsurg.requests import (
 
 
 # ------------------------------------------------------------------------- method settings (recipe steps)
-# MLA's calibration: 12 windows of 512 over the six domains in turn, the first half refined on (one window of
-# every domain), the next two held out. Against 4096 (four domains refined on, one multilingual window held
-# out) with 40 steps, at 0.5 the worst of six domains goes x1.662 -> x1.481 on SmolLM2-135M and x4.382 ->
-# x2.061 on Qwen2.5-Coder-0.5B (docs/mla-models.md).
-MLA_CALIBRATION_TOKENS = 6144
-MLA_CALIBRATION = COMMAND_CALIBRATION.model_copy(update={"tokens": MLA_CALIBRATION_TOKENS})
-
-
-def refined_share(calibration_tokens: int) -> int:
-    """The calibration tokens refinement trains on when not told: the first half."""
-    return calibration_tokens // 2
-
-
 class ConvertSettings(Strict):
     """A ``convert`` step: ``to`` names the target attention, whose settings class (a subclass, registered with
     its method in ``attnsurg.methods.base``) holds the rest; unwritten, the target is MLA."""
@@ -57,27 +43,8 @@ class ConvertSettings(Strict):
         """Whether ``key`` is an input of this target's settings (a command-line option it takes)."""
         return key in cls.model_fields
 
-
-class MLASettings(ConvertSettings):
-    """``convert --to mla``: the KV budget as a fraction, or as a latent rank plus RoPE dims."""
-
-    to: Literal["mla"] = "mla"
-    kv_budget: float | None = Field(None, gt=0, le=1)
-    kv_rank: int | None = Field(None, gt=0)
-    rope_dim: int | None = Field(None, ge=0)
-    rope_layout: Literal["standard", "flexible"] = "standard"
-    rope_fold: int | None = Field(None, ge=1)  # None: FreqFold wherever the RoPE pairs are too few for the frequencies
-    split: Literal["rule", "measured"] = "rule"  # measured: the RoPE width scored on held-out calibration windows
-    format: Literal["native", "exact"] = "native"
-    engine: Literal["transformers", "llama.cpp", "vllm", "sglang"] | None = None  # refuse what it would not run
-    nope_width: Literal["latent", "head"] = "head"  # latent: no-RoPE heads as wide as the latent (more parameters)
-    weighted: bool = True
-    token_weights: Literal["uniform", "received"] = "uniform"  # received: the cache fitted on the attention each token receives
-    refine_steps: int = Field(60, ge=0)
-    refine_tokens: int | None = Field(None, gt=0)  # None: the first half of the calibration tokens
-    refine_lr: float = Field(1e-3, gt=0)
-    refine_schedule: Literal["constant", "cosine"] = "constant"
-    short_prompts: float = Field(0.1, ge=0, lt=1)  # share of each calibration window cut into short prompts
+    def check_with(self, calibration: Calibration) -> None:
+        """Raise ValueError where these settings cannot run on ``calibration`` (checked with the recipe)."""
 
 
 DEFAULT_RATIO = 0.5  # a compress budget left unset: half of what the method sizes, as convert's --kv-budget 0.5
@@ -153,16 +120,6 @@ class HealSettings(Strict):
         if part != "calib":
             raise ValueError("healing reads a dataset's calibration part (part: calib); the eval part is for scoring")
         return {**data, "part": "calib"} if isinstance(data, dict) else data
-
-
-def check_refinement_fits(settings: MLASettings, calibration: Calibration) -> None:
-    """Refinement reads the first refine_tokens of the calibration windows: a count asked for beyond them is an
-    error; unset, it reads the first half of them (``refined_share``)."""
-    if settings.refine_steps and settings.refine_tokens is not None and settings.refine_tokens > calibration.tokens:
-        raise ValueError(
-            f"refinement reads {settings.refine_tokens} tokens (refine_tokens, --refine-tokens) but calibration has "
-            f"{calibration.tokens} (calibration.tokens, --calib-tokens); raise the one or lower the other"
-        )
 
 
 # ------------------------------------------------------------------------------------------- recipes
@@ -281,8 +238,8 @@ class Recipe(Strict):
         if surgeries and self.heal is not None and self.heal.teacher is not None:
             raise ValueError("after a surgery step the source model is the teacher; remove heal.teacher")
         for step in self.steps:
-            if isinstance(getattr(step, "convert", None), MLASettings):
-                check_refinement_fits(step.convert, self.calibration)
+            if isinstance(step, ConvertStep):
+                step.convert.check_with(self.calibration)
         return self
 
     @property

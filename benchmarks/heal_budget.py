@@ -22,7 +22,9 @@ from attnsurg.calibrate import calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.heal import heal_model
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
-from attnsurg.methods.mla import Refinement, convert, plan_mla
+from attnsurg.methods.mla.conversion import convert
+from attnsurg.methods.mla.plan import plan_mla
+from attnsurg.methods.mla.refine import Refinement
 from attnsurg.recipe import HealSettings
 from attnsurg.requests import TextData
 from common import write_result

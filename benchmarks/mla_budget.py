@@ -28,7 +28,9 @@ from attnsurg.calibrate import calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla as mla_method
-from attnsurg.methods.mla import Refinement, convert, plan_mla
+from attnsurg.methods.mla.conversion import convert
+from attnsurg.methods.mla.plan import plan_mla
+from attnsurg.methods.mla.refine import Refinement
 from attnsurg.requests import Calibration, TextData
 from common import write_result
 

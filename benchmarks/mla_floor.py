@@ -30,7 +30,7 @@ from attnsurg.arch import inspect_config
 from attnsurg.data import DOMAINS
 from attnsurg.eval.tasks import run_tasks
 from attnsurg.io.load import load_config, resolve_source
-from attnsurg.methods.mla import plan_mla
+from attnsurg.methods.mla.plan import plan_mla
 from attnsurg.requests import ModelRef, TasksEval
 from common import write_result
 

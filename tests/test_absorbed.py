@@ -7,7 +7,8 @@ from transformers import DeepseekV3ForCausalLM, DynamicCache
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 from attnsurg.arch import inspect_config
-from attnsurg.methods.mla import deepseek_config, plan_mla
+from attnsurg.methods.mla.assemble import deepseek_config
+from attnsurg.methods.mla.plan import plan_mla
 from attnsurg.modeling.absorbed import AbsorbedMLAAttention, runtime_applies, use_runtime
 
 from conftest import build_tiny

@@ -10,7 +10,7 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.heal import heal_model, held_projection_rows, select_trainable
 from attnsurg.methods.base import SurgeryInputs, method_for
 from attnsurg.methods.linear.method import LinearReport, LinearSettings
-from attnsurg.methods.mla import norm_channel_of
+from attnsurg.methods.mla.refine import norm_channel_of
 from attnsurg.requests import COMMAND_CALIBRATION
 
 from conftest import build_tiny

@@ -10,7 +10,7 @@ import attnsurg
 from attnsurg import api
 from attnsurg.cli import app
 from attnsurg.errors import UserError
-from attnsurg.recipe import MLA_CALIBRATION
+from attnsurg.methods.mla.settings import MLA_CALIBRATION
 
 
 def tensors(directory):

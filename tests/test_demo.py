@@ -75,7 +75,8 @@ def test_demo_model_full_budget_flexible_layout_is_exact(demo_model):
     from attnsurg.arch.families import family_for_surgery
     from attnsurg.calibrate import calibration_windows
     from attnsurg.io.load import load_model, load_tokenizer, resolve_source
-    from attnsurg.methods.mla import convert, plan_mla
+    from attnsurg.methods.mla.conversion import convert
+    from attnsurg.methods.mla.plan import plan_mla
 
     source = resolve_source(str(demo_model))
     model, tokenizer = load_model(source), load_tokenizer(source)

@@ -16,7 +16,9 @@ from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.gguf_export import export_gguf
 from attnsurg.calibrate import causal_mask
-from attnsurg.methods.mla import Refinement, convert, plan_mla
+from attnsurg.methods.mla.conversion import convert
+from attnsurg.methods.mla.plan import plan_mla
+from attnsurg.methods.mla.refine import Refinement
 
 # What llama.cpp's DeepSeek2 loader reads (src/models/deepseek2.cpp and llama-model.cpp in the llama-cpp-python
 # 0.3.36 source distribution): required keys, and per block the tensors of a dense MLA layer with no q LoRA.

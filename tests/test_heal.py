@@ -16,7 +16,9 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.heal import Distiller, batch_indices, heal_model, heal_state_dir, lr_factor, select_trainable
-from attnsurg.methods.mla import convert, norm_channel_of, plan_mla
+from attnsurg.methods.mla.conversion import convert
+from attnsurg.methods.mla.plan import plan_mla
+from attnsurg.methods.mla.refine import norm_channel_of
 from attnsurg.recipe import HealSettings
 from attnsurg.requests import TextData
 
@@ -296,7 +298,8 @@ def mla_job(model, output, kv_budget: float, heal: bool = False):
     """The job ``convert --to mla --kv-budget B`` runs (with a heal step after it when ``heal``)."""
     from attnsurg.api import surgery_recipe
     from attnsurg.pipelines.job import Job
-    from attnsurg.recipe import ConvertStep, HealSettings, MLASettings
+    from attnsurg.recipe import ConvertStep, HealSettings
+    from attnsurg.methods.mla.settings import MLASettings
 
     step = ConvertStep(convert=MLASettings(kv_budget=kv_budget))
     return Job(surgery_recipe(str(model), output, step, None, HealSettings() if heal else None, 2048, [], 0))

@@ -10,7 +10,8 @@ from attnsurg.methods.headtensor import HeadTensorSettings
 from attnsurg.methods.loki import LokiSettings
 from attnsurg.methods.lowrank import LowRankSettings
 from attnsurg.methods.topk import TopKSettings
-from attnsurg.recipe import CompressStep, MLASettings
+from attnsurg.recipe import CompressStep
+from attnsurg.methods.mla.settings import MLASettings
 
 from conftest import build_tiny
 

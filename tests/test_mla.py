@@ -17,9 +17,11 @@ from attnsurg import api
 from attnsurg.errors import UserError
 from attnsurg.linalg import augmented
 from attnsurg.methods import mla
-from attnsurg.methods.mla import (
-    Refinement, convert, deepseek_config, fit_layer, plan_mla, refine_layer, sampled_output,
-)
+from attnsurg.methods.mla.assemble import deepseek_config
+from attnsurg.methods.mla.conversion import convert
+from attnsurg.methods.mla.fit import fit_layer
+from attnsurg.methods.mla.plan import plan_mla
+from attnsurg.methods.mla.refine import Refinement, refine_layer, sampled_output
 from attnsurg.methods.mla.engines import engine_problems
 from attnsurg.methods.mla.plan import split_reason
 from attnsurg.methods.mla.report import engine_note
@@ -454,7 +456,7 @@ def test_folded_checkpoint_says_so_and_reloads_with_the_folded_frequencies(tiny_
 
 
 def test_cosine_refinement_schedule_decays_to_its_floor_and_constant_stays():
-    from attnsurg.methods.mla import COSINE_FLOOR, learning_rate_schedule
+    from attnsurg.methods.mla.refine import COSINE_FLOOR, learning_rate_schedule
 
     for schedule, last in (("cosine", COSINE_FLOOR * 1e-3), ("constant", 1e-3)):
         optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)

@@ -11,7 +11,8 @@ from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.cli import app
-from attnsurg.methods.mla import convert, plan_mla
+from attnsurg.methods.mla.conversion import convert
+from attnsurg.methods.mla.plan import plan_mla
 from attnsurg.io.lazy import CheckpointReader
 from attnsurg.methods.mla.split import SPLIT_HELD_OUT, merged, split_candidates, streamed_split
 

@@ -12,7 +12,9 @@ from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import short_prompt_starts
 from attnsurg.io.lazy import CheckpointReader
-from attnsurg.methods.mla import Refinement, convert, plan_mla
+from attnsurg.methods.mla.conversion import convert
+from attnsurg.methods.mla.plan import plan_mla
+from attnsurg.methods.mla.refine import Refinement
 from attnsurg.methods.mla.stream import convert_streamed
 
 from conftest import assert_streamed_like_loaded, with_mean_direction

@@ -9,7 +9,9 @@ from attnsurg.arch import inspect_config
 from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import attention_layers, input_statistics
 from attnsurg.cli import app
-from attnsurg.methods.mla import Refinement, convert, plan_mla
+from attnsurg.methods.mla.conversion import convert
+from attnsurg.methods.mla.plan import plan_mla
+from attnsurg.methods.mla.refine import Refinement
 from attnsurg.placement import on_device
 
 from conftest import with_mean_direction

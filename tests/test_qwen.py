@@ -34,7 +34,8 @@ def test_full_budget_mla_reproduces_qwen_with_its_biases(qwen):
     from attnsurg.arch import inspect_config
     from attnsurg.arch.families import family_for_surgery
     from attnsurg.calibrate import calibration_windows
-    from attnsurg.methods.mla import convert, plan_mla
+    from attnsurg.methods.mla.conversion import convert
+    from attnsurg.methods.mla.plan import plan_mla
 
     model, tokenizer = qwen
     windows = calibration_windows(tokenizer, TextData(dataset="wiki-sample", part="calib"), 1024, 512)

@@ -11,8 +11,9 @@ from attnsurg.cli import app
 from attnsurg.errors import UserError
 from attnsurg.io.recipe_file import dump_recipe, load_recipe, parse_recipe, shipped_recipes
 from attnsurg.api import surgery_recipe
-from attnsurg.methods.mla import refinement_of
-from attnsurg.recipe import MLA_CALIBRATION_TOKENS, ConvertStep, MLASettings
+from attnsurg.methods.mla.report import refinement_of
+from attnsurg.recipe import ConvertStep
+from attnsurg.methods.mla.settings import MLA_CALIBRATION_TOKENS, MLASettings
 from attnsurg.requests import Calibration
 
 SHIPPED = shipped_recipes()

@@ -22,7 +22,8 @@ from attnsurg.methods.headtensor import plan_head_tensor
 from attnsurg.methods.loki import plan_loki
 from attnsurg.methods.lowrank import plan_lowrank
 from attnsurg.methods.compress_stream import compress_streamed
-from attnsurg.methods.mla import Refinement, plan_mla
+from attnsurg.methods.mla.plan import plan_mla
+from attnsurg.methods.mla.refine import Refinement
 from attnsurg.methods.mla.stream import convert_streamed
 
 from conftest import with_mean_direction

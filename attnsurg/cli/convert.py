@@ -39,7 +39,8 @@ from attnsurg.cli.common import (
 from attnsurg.cli.report import execute
 from attnsurg.errors import UserError
 from attnsurg.methods.linear.settings import LINEAR_CALIBRATION_TOKENS, LinearSettings
-from attnsurg.recipe import MLA_CALIBRATION, Evaluation, MLASettings
+from attnsurg.recipe import Evaluation
+from attnsurg.methods.mla.settings import MLA_CALIBRATION, MLASettings
 
 MLA = defaults_of(MLASettings)
 LINEAR = defaults_of(LinearSettings)

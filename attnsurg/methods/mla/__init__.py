@@ -1,8 +1,10 @@
 """GQA / MHA -> DeepSeek-style multi-head latent attention (MLA), written as a stock DeepseekV3 checkpoint.
 
-The package: ``plan`` (how a budget is spent), ``engines`` (what each engine takes), ``fit`` (the closed form,
-steps 1-5 below), ``assemble`` (the DeepseekV3 model), ``refine`` (step 6), ``conversion`` (a model in memory),
-``stream`` (one layer in memory at a time) and ``proxy`` (its error proxy for ``analyze plan``).
+The package: ``settings`` (the step's settings and calibration, light to import), ``plan`` (how a budget is
+spent), ``engines`` (what each engine takes), ``fit`` (the closed form, steps 1-5 below), ``assemble`` (the
+DeepseekV3 model), ``refine`` (step 6), ``conversion`` (a model in memory), ``stream`` (one layer in memory at a
+time), ``report``, ``method`` (the registered method) and ``proxy`` (its error proxy for ``analyze plan``).
+Importing the package imports none of them.
 
 Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) rotating at theta^(-2i/d):
 
@@ -49,39 +51,3 @@ Per layer, with H query heads, G KV heads, head dim d, RoPE pairs (i, i + d/2) r
    over 90% of the squared error. In the exact format the norm channels stay frozen. The learning rate is
    constant, or decays on a cosine, which long refinements need.
 """
-
-from __future__ import annotations
-
-from attnsurg.methods import MethodSpec, register
-from attnsurg.methods.mla.plan import (  # noqa: F401
-    FORMATS, LAYOUTS, SUPPORTED_ROPE, default_rope_dim, default_rope_fold, full_budget, MLAPlan, plan_mla,
-    unsupported_reason,
-)
-from attnsurg.methods.mla.engines import (  # noqa: F401
-    ENGINES, VLLM_MLA_WIDTHS, VLLM_PREFILL_DIMS, engine_problems, vllm_head_dims, vllm_width_hint,
-)
-from attnsurg.methods.mla.fit import (  # noqa: F401
-    CHANNEL_DOMINANCE, CHANNEL_DOMINANCES, CONSTANT_RIDGE, CONSTANT_RIDGES, NORM_CONSTANT, ROTATION_SPAN,
-    closed_form_alternatives, closed_form_labels, constant_direction, constant_ridges, consumer_weight,
-    exact_weights, fit_layer, frequency_rows, latent_factors, layer_closed_forms, layer_factors, LayerFactors,
-    linearised_norm, MLAWeights, native_weights, query_mixes, query_moment, query_projection, rope_bias_shrinkage,
-    rope_frequencies, rorope_bases, split_components, with_dominance,
-)
-from attnsurg.methods.mla.assemble import (  # noqa: F401
-    assemble, attention_state, deepseek_config, flexible_rope_parameters, padded_heads, query_route_state,
-)
-from attnsurg.methods.mla.refine import (  # noqa: F401
-    CHUNK_BYTES, COSINE_FLOOR, HELD_OUT_CHECK, HELD_OUT_PATIENCE, HELD_OUT_SHARE, RATE_BACKOFF, RATE_RETRIES,
-    REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, SCHEDULES, WINDOWS_PER_CHUNK, backoff_rates, hold_norm_channel,
-    LayerError, learning_rate_schedule, mla_attention, norm_channel_of, refine_layer, refined_parameters,
-    Refinement, sampled_output, SequentialRefiner, weights_of, window_layout, windows_at_once,
-)
-from attnsurg.methods.mla.conversion import (  # noqa: F401
-    convert, MLAConversion,
-)
-from attnsurg.methods.mla.proxy import mla_proxy  # noqa: F401  (registers the planned method)
-
-register(MethodSpec("mla", "GQA/MHA -> DeepSeek-style latent attention (DeepseekV3 checkpoint)", unsupported_reason,
-                    full_budget=full_budget))
-from attnsurg.methods.mla.report import ConvertReport, refinement_of  # noqa: F401
-from attnsurg.methods.mla.method import MLA  # noqa: F401  (registers the surgery method)

@@ -7,9 +7,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.calibrate import short_prompt_starts
+from attnsurg.methods import MethodSpec, register
 from attnsurg.methods.base import CardText, Progress, StreamTarget, SurgeryInputs, SurgeryMethod, register_method
 from attnsurg.methods.mla.conversion import convert
-from attnsurg.methods.mla.plan import MLAPlan, plan_mla
+from attnsurg.methods.mla.plan import MLAPlan, full_budget, plan_mla, unsupported_reason
 from attnsurg.methods.mla.report import (
     ConvertReport,
     engine_note,
@@ -22,7 +23,7 @@ from attnsurg.methods.mla.report import (
 )
 from attnsurg.methods.mla.split import check_measurable, split_candidates, streamed_split
 from attnsurg.methods.mla.stream import convert_streamed
-from attnsurg.recipe import MLA_CALIBRATION, MLASettings
+from attnsurg.methods.mla.settings import MLA_CALIBRATION, MLASettings
 from attnsurg.requests import Calibration
 
 
@@ -114,4 +115,6 @@ class MLA(SurgeryMethod):
         return layer_error_lines(report)
 
 
+register(MethodSpec("mla", "GQA/MHA -> DeepSeek-style latent attention (DeepseekV3 checkpoint)", unsupported_reason,
+                    full_budget=full_budget))
 register_method(MLA())

@@ -10,7 +10,7 @@ from attnsurg.calibrate import captured_inputs
 from attnsurg.methods.mla.plan import plan_mla
 from attnsurg.methods.mla.split import closed_form_errors, original_outputs
 from attnsurg.methods.planning import PROXY_WINDOWS, PlanContext, PlannedMethod, register_planned
-from attnsurg.recipe import MLASettings
+from attnsurg.methods.mla.settings import MLASettings
 
 KV_BUDGETS = (0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75)
 

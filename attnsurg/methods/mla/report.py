@@ -15,7 +15,7 @@ from attnsurg.methods.mla.fit import closed_form_labels
 from attnsurg.methods.mla.plan import MLAPlan, split_reason
 from attnsurg.methods.mla.refine import REFINE_STEP_QUERIES, REFINE_STEP_TOKENS, LayerError, Refinement
 from attnsurg.methods.mla.split import SplitChoice
-from attnsurg.recipe import MLASettings, refined_share
+from attnsurg.methods.mla.settings import MLASettings, refined_share
 from attnsurg.requests import Calibration
 
 

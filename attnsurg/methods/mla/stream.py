@@ -21,10 +21,10 @@ from attnsurg.calibrate import streamed_layers
 from attnsurg.io.lazy import CheckpointReader, rotary_embedding
 from attnsurg.io.resume import LayerCheckpoints, StreamStart, start_stream
 from attnsurg.io.shards import ShardWriter, planned_tensors
-from attnsurg.methods.mla import (
-    HELD_OUT_SHARE, LayerError, MLAPlan, Refinement, SequentialRefiner, attention_state, deepseek_config,
-    layer_closed_forms, padded_heads,
-)
+from attnsurg.methods.mla.assemble import attention_state, deepseek_config, padded_heads
+from attnsurg.methods.mla.fit import layer_closed_forms
+from attnsurg.methods.mla.plan import MLAPlan
+from attnsurg.methods.mla.refine import HELD_OUT_SHARE, LayerError, Refinement, SequentialRefiner
 
 
 @torch.no_grad()

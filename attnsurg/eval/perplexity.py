@@ -186,14 +186,15 @@ def window_losses(model: PreTrainedModel, ids: torch.Tensor, window: Window, dev
                   chunk: int = LONG_WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
     """Each scored token's NLL (float64) in one window, and its position in the window; the window read ``chunk``
     tokens per forward through the model's cache, so no more than ``chunk`` positions of logits exist at once."""
-    from attnsurg.eval.tasks.scoring import cache_argument, returned_cache
+    from attnsurg.eval.tasks.scoring import cache_argument, grouped_queries_in_sdpa, returned_cache
 
     inputs = ids[window.begin : window.end].to(device)
     losses, cache = [], None
     for start in range(0, window.length, chunk):
         piece = inputs[start : start + chunk][None]
         past = {} if cache is None else {cache_argument(model): cache}
-        out = model(input_ids=piece, use_cache=window.length > chunk, **past)
+        with grouped_queries_in_sdpa(torch.device(device)):  # a chunk after the first reads the cache with a mask
+            out = model(input_ids=piece, use_cache=window.length > chunk, **past)
         cache = returned_cache(out)
         targets = inputs[start + 1 : start + chunk + 1]
         losses.append(F.cross_entropy(out.logits[0, : len(targets)].float(), targets, reduction="none").double())

@@ -13,12 +13,12 @@ quarter, every layer on the original model's own inputs (no drift carried). Colu
 - native: all three (what the native format computed before RoPE key biases were shrunk);
 - k ridge R: the RoPE key's bias alone on a direction fitted with ridge R (the latent channel's is 1.0);
 - k drop w<F: the RoPE key's bias dropped on pairs rotating slower than F, folded whole on the others;
-- k shrink LN / native shrink LN: the bias shrunk per pair (``mla.rope_bias_shrinkage``) over a span of N
+- k shrink LN / native shrink LN: the bias shrunk per pair (``mla.fit.rope_bias_shrinkage``) over a span of N
   tokens, alone and with the query and latent folds (what the native format computes now at N = 1024);
 - k drop: the RoPE key's bias dropped everywhere;
 - "@1" columns: the same error at the second token of every window alone (the first a prompt's answer sees);
 - shipped ridge R: the native closed form as written (RoPE key bias shrunk, dominance 32) through the DeepseekV3
-  attention module, its constant direction fitted at ridge R (``mla.CONSTANT_RIDGES``), and a . x at the
+  attention module, its constant direction fitted at ridge R (``mla.fit.CONSTANT_RIDGES``), and a . x at the
   second token with that direction;
 - the share of the layer's output energy the value bias (constant) carries, and the spread of a . x.
 Writes benchmarks/results/mla_bias_probe.json.
@@ -36,6 +36,9 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import InputStatistics, attention_inputs, calibration_windows, causal_mask
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla
+import attnsurg.methods.mla.assemble  # noqa: F401  (mla.assemble)
+import attnsurg.methods.mla.fit  # noqa: F401  (mla.fit)
+import attnsurg.methods.mla.plan  # noqa: F401  (mla.plan)
 from attnsurg.methods.mla.refine import mla_attention, sampled_output
 from attnsurg.requests import TextData
 from common import write_result
@@ -47,7 +50,7 @@ def direction(sigma: torch.Tensor, sigma_first: torch.Tensor, ridge: float) -> t
     return torch.linalg.solve(gram + ridge * gram.diagonal().mean() * torch.eye(D, dtype=gram.dtype), target)
 
 
-def layer_output(w: mla.MLAWeights, o_weight: torch.Tensor, o_bias: torch.Tensor | None, plan: mla.MLAPlan,
+def layer_output(w: mla.fit.MLAWeights, o_weight: torch.Tensor, o_bias: torch.Tensor | None, plan: mla.plan.MLAPlan,
                  x: torch.Tensor, rope, t: torch.Tensor, where: set[str], tk: torch.Tensor | None = None) -> torch.Tensor:
     """An exact-format layer's output with the constant 1 replaced by ``t`` (per token) in ``where``."""
     n, L, D = x.shape
@@ -73,7 +76,7 @@ def layer_output(w: mla.MLAWeights, o_weight: torch.Tensor, o_bias: torch.Tensor
     return out + (o_bias if o_bias is not None else 0)
 
 
-def shipped_output(w: mla.MLAWeights, o_weight: torch.Tensor, plan: mla.MLAPlan, config, x: torch.Tensor,
+def shipped_output(w: mla.fit.MLAWeights, o_weight: torch.Tensor, plan: mla.plan.MLAPlan, config, x: torch.Tensor,
                    rope) -> torch.Tensor:
     """A closed form's output through the DeepseekV3 attention module it is written as (float64)."""
     attention = mla_attention(config, 0, w, o_weight).double()
@@ -103,11 +106,11 @@ def main() -> None:
     model, tokenizer = load_model(source), load_tokenizer(source)
     anatomy = inspect_config(model.config)
     family = family_for_surgery(anatomy.model_type)
-    plan = mla.plan_mla(anatomy, args.kv_budget, rope_dim=args.rope_dim, format="exact")
+    plan = mla.plan.plan_mla(anatomy, args.kv_budget, rope_dim=args.rope_dim, format="exact")
     windows = calibration_windows(tokenizer, TextData(dataset="all", part="calib"), args.windows * 512, 512)
     fit_n = len(windows) - max(1, len(windows) // 4)
     inputs = attention_inputs(model, family, windows)
-    config = mla.deepseek_config(model, plan, model.get_submodule(family.rotary_path).inv_freq)
+    config = mla.assemble.deepseek_config(model, plan, model.get_submodule(family.rotary_path).inv_freq)
     positions = torch.arange(512)[None]
     rope = tuple(t.double() for t in DeepseekV3RotaryEmbedding(config)(inputs[0][:1], positions))
     rotary = model.get_submodule(family.rotary_path)
@@ -120,12 +123,12 @@ def main() -> None:
             continue
         stats = InputStatistics()
         stats.add(inputs[index][:fit_n])
-        w = mla.fit_layer(attn, stats.sigma, plan, True, stats.sigma_first)
+        w = mla.fit.fit_layer(attn, stats.sigma, plan, True, stats.sigma_first)
         held = inputs[index][fit_n:]
         cos, sin = rotary(held, positions)
         target = attn(hidden_states=held, position_embeddings=(cos, sin),
                       attention_mask=causal_mask(512))[0].double()
-        a = mla.constant_direction(stats.sigma, stats.sigma_first)
+        a = mla.fit.constant_direction(stats.sigma, stats.sigma_first)
         x = held.double()
         t = x @ a
         o_weight, o_bias = attn.o_proj.weight.double(), w.o_bias
@@ -142,25 +145,25 @@ def main() -> None:
         for ridge in (1e-4, 1e-3, 1e-2, 1e-1):
             tk = x @ direction(stats.sigma, stats.sigma_first, ridge)
             row[f"k ridge {ridge:g}"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), tk), target)
-        freqs = torch.tensor(mla.rope_frequencies(plan, model.get_submodule(family.rotary_path).inv_freq),
+        freqs = torch.tensor(mla.fit.rope_frequencies(plan, model.get_submodule(family.rotary_path).inv_freq),
                              dtype=torch.float64).repeat_interleave(2)
         for limit in (1e-1, 1e-2, 1e-3, 1e-4):
             tk = torch.where(freqs < limit, 0.0, t[..., None])
             row[f"k drop w<{limit:g}"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), tk), target)
         var = float(t[:, 1:].var())
         for span in (128, 512, 1024, 2048):
-            beta = mla.rope_bias_shrinkage(freqs[0::2], var, span)
+            beta = mla.fit.rope_bias_shrinkage(freqs[0::2], var, span)
             row[f"k shrink L{span}"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), beta * t[..., None]), target)
             row[f"native shrink L{span}"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, {"q", "latent"}, beta * t[..., None]), target)
-        native = mla.plan_mla(anatomy, args.kv_budget, rope_dim=args.rope_dim)
-        native_config = mla.deepseek_config(model, native, model.get_submodule(family.rotary_path).inv_freq)
+        native = mla.plan.plan_mla(anatomy, args.kv_budget, rope_dim=args.rope_dim)
+        native_config = mla.assemble.deepseek_config(model, native, model.get_submodule(family.rotary_path).inv_freq)
         native_config._attn_implementation = "sdpa"
         native_rope = tuple(t.double() for t in DeepseekV3RotaryEmbedding(native_config)(inputs[0][:1], positions))
-        for ridge in mla.constant_ridges():
-            shipped = mla.fit_layer(attn, stats.sigma, native, True, stats.sigma_first, rotary.inv_freq, ridge=ridge)
+        for ridge in mla.fit.constant_ridges():
+            shipped = mla.fit.fit_layer(attn, stats.sigma, native, True, stats.sigma_first, rotary.inv_freq, ridge=ridge)
             out = shipped_output(shipped, o_weight, native, native_config, x, native_rope)
             row[f"shipped ridge {ridge:g}"], row[f"shipped ridge {ridge:g} @1"] = relative(out, target), relative_at(out, target, 1)
-            row[f"a.x @1 ridge {ridge:g}"] = float((x[:, 1] @ mla.constant_direction(stats.sigma, stats.sigma_first, ridge)).mean())
+            row[f"a.x @1 ridge {ridge:g}"] = float((x[:, 1] @ mla.fit.constant_direction(stats.sigma, stats.sigma_first, ridge)).mean())
         row["k drop"] = relative(layer_output(w, o_weight, o_bias, plan, x, rope, t, set(), torch.zeros_like(t)), target)
         row["a.x spread"] = float((t[:, 1:] - 1).pow(2).mean().sqrt())
         row["a.x min"] = float(t[:, 1:].min())

@@ -28,6 +28,7 @@ from attnsurg.calibrate import calibration_windows
 from attnsurg.eval.perplexity import eval_windows, perplexity_of
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla as mla_method
+import attnsurg.methods.mla.refine  # noqa: F401  (mla_method.refine)
 from attnsurg.methods.mla.conversion import convert
 from attnsurg.methods.mla.plan import plan_mla
 from attnsurg.methods.mla.refine import Refinement
@@ -58,12 +59,12 @@ def main() -> None:
     parser.add_argument("--rope-layout", default="standard", choices=["standard", "flexible"])
     parser.add_argument("--refine-tokens", type=int, default=2048)
     parser.add_argument("--refine-lr", type=float, default=1e-3)
-    parser.add_argument("--refine-schedule", default="constant", choices=list(mla_method.SCHEDULES))
-    parser.add_argument("--refine-queries", type=int, default=mla_method.REFINE_STEP_QUERIES,
+    parser.add_argument("--refine-schedule", default="constant", choices=list(mla_method.refine.SCHEDULES))
+    parser.add_argument("--refine-queries", type=int, default=mla_method.refine.REFINE_STEP_QUERIES,
                         help="query positions scored per refinement step")
     parser.add_argument("--context", type=int, default=4096)
     args = parser.parse_args()
-    mla_method.REFINE_STEP_QUERIES = args.refine_queries
+    mla_method.refine.REFINE_STEP_QUERIES = args.refine_queries
 
     source = resolve_source(args.model)
     model, tokenizer = load_model(source), load_tokenizer(source)

@@ -18,6 +18,10 @@ from attnsurg.arch.families import family_for_surgery
 from attnsurg.calibrate import calibration_windows, input_statistics
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla
+import attnsurg.methods.mla.assemble  # noqa: F401  (mla.assemble)
+import attnsurg.methods.mla.fit  # noqa: F401  (mla.fit)
+import attnsurg.methods.mla.plan  # noqa: F401  (mla.plan)
+import attnsurg.methods.mla.refine  # noqa: F401  (mla.refine)
 from attnsurg.requests import TextData
 
 from common import write_result
@@ -29,23 +33,23 @@ model, tokenizer = load_model(source), load_tokenizer(source)
 anatomy = inspect_config(model.config)
 family = family_for_surgery(anatomy.model_type)
 windows = calibration_windows(tokenizer, TextData(dataset="all", part="calib"), 4096, 512)
-plan = mla.plan_mla(anatomy, budget)
+plan = mla.plan.plan_mla(anatomy, budget)
 attentions = [getattr(layer, family.attention_attr) for layer in model.get_submodule(family.layers_path)]
 statistics = input_statistics(model, attentions, windows)
 inv_freq = model.get_submodule(family.rotary_path).inv_freq
-config = mla.deepseek_config(model, plan.fitted, inv_freq)
+config = mla.assemble.deepseek_config(model, plan.fitted, inv_freq)
 config._attn_implementation = "sdpa"
-keep = mla.Refinement.tokens // windows.shape[1]
-held = math.ceil(keep * mla.HELD_OUT_SHARE)
+keep = mla.refine.Refinement.tokens // windows.shape[1]
+held = math.ceil(keep * mla.refine.HELD_OUT_SHARE)
 embeddings = model.get_input_embeddings()(windows[: keep + held]).float()
-forms = [mla.layer_closed_forms(a, s, plan, True, inv_freq) for a, s in zip(attentions[:depth], statistics[:depth])]
+forms = [mla.fit.layer_closed_forms(a, s, plan, True, inv_freq) for a, s in zip(attentions[:depth], statistics[:depth])]
 rows = []
 for lr in rates:
     started = time.perf_counter()
-    refiner = mla.SequentialRefiner(model.get_submodule(family.rotary_path), family, embeddings.clone(), config, held)
+    refiner = mla.refine.SequentialRefiner(model.get_submodule(family.rotary_path), family, embeddings.clone(), config, held)
     drift = []
     for index, (w, *alternatives) in enumerate(forms):
-        refiner.refine(index, model.get_submodule(f"{family.layers_path}.{index}"), w, mla.Refinement(lr=lr), alternatives)
+        refiner.refine(index, model.get_submodule(f"{family.layers_path}.{index}"), w, mla.refine.Refinement(lr=lr), alternatives)
         original = refiner.original[keep:]
         drift.append(float((refiner.stream[keep:] - original).pow(2).sum() / original.pow(2).sum()))
     print(f"{name} lr {lr:g}:", " ".join(f"{e:.4f}" for e in drift), f"{time.perf_counter() - started:.0f} s", flush=True)

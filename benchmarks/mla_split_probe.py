@@ -21,6 +21,10 @@ from attnsurg.heads import received_attention
 from attnsurg.calibrate import InputStatistics, attention_inputs, calibration_windows, causal_mask
 from attnsurg.io.load import load_model, load_tokenizer, resolve_source
 from attnsurg.methods import mla
+import attnsurg.methods.mla.assemble  # noqa: F401  (mla.assemble)
+import attnsurg.methods.mla.fit  # noqa: F401  (mla.fit)
+import attnsurg.methods.mla.plan  # noqa: F401  (mla.plan)
+import attnsurg.methods.mla.refine  # noqa: F401  (mla.refine)
 from attnsurg.requests import TextData
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
@@ -50,17 +54,17 @@ print("captured", time.time()-t0, flush=True)
 rows = []
 for rope_dim, fold, rank in cands:
   t0=time.time()
-  plan = mla.plan_mla(anatomy, None if rank else budget, kv_rank=rank, rope_dim=rope_dim, rope_fold=fold)
-  config = mla.deepseek_config(model, plan.fitted, inv); config._attn_implementation = "sdpa"
+  plan = mla.plan.plan_mla(anatomy, None if rank else budget, kv_rank=rank, rope_dim=rope_dim, rope_fold=fold)
+  config = mla.assemble.deepseek_config(model, plan.fitted, inv); config._attn_implementation = "sdpa"
   rope = DeepseekV3RotaryEmbedding(config)(inputs[0][:1], pos)
   for weighting in ("uniform", "received") if received else ("uniform",):
     errs = []
     with torch.no_grad():
       for i, layer in enumerate(model.get_submodule(family.layers_path)):
         attn = getattr(layer, family.attention_attr)
-        w = mla.fit_layer(attn, stats[i].sigma, plan, True, stats[i].sigma_first, inv,
+        w = mla.fit.fit_layer(attn, stats[i].sigma, plan, True, stats[i].sigma_first, inv,
                           stats[i].sigma_received if weighting == "received" else None)
-        out = mla.sampled_output(mla.mla_attention(config, i, w, attn.o_proj.weight), inputs[i][fit_n:], rope, torch.arange(512))
+        out = mla.refine.sampled_output(mla.refine.mla_attention(config, i, w, attn.o_proj.weight), inputs[i][fit_n:], rope, torch.arange(512))
         t = targets[i]
         errs.append(float((out - t)[:, 1:].pow(2).sum() / t[:, 1:].pow(2).sum()))
     print(f"rope {rope_dim} fold {fold} latent {plan.kv_rank} {weighting}: mean {sum(errs)/len(errs):.4f} max {max(errs):.3f} "

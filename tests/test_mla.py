@@ -74,7 +74,7 @@ def test_a_cache_fitted_on_received_attention_loses_less_where_the_attention_is(
             with torch.no_grad():
                 target = attention(hidden_states=x, position_embeddings=rotary(x, positions), attention_mask=causal_mask(64))[0]
                 w = fit_layer(attention, s.sigma, plan, True, s.sigma_first, rotary.inv_freq, s.sigma_received if received else None)
-                out = sampled_output(mla.mla_attention(config, index, w, attention.o_proj.weight), x, rope, torch.arange(64))
+                out = sampled_output(mla.refine.mla_attention(config, index, w, attention.o_proj.weight), x, rope, torch.arange(64))
             total += float((out - target).pow(2).sum() / target.pow(2).sum())
         return total / len(attentions)
 
@@ -93,16 +93,16 @@ def test_query_mixes_and_moment_at_head_width_equal_the_expanded_query_rows(budg
     sigma = x.T @ x / len(x)
     Wq = augmented(attention.q_proj.weight, attention.q_proj.bias).detach()
     Wk = augmented(attention.k_proj.weight, attention.k_proj.bias).detach()
-    bases = mla.rorope_bases(Wk, sigma, plan)
-    _, nope = mla.split_components(plan)
-    expanded = [torch.stack([sum(bases[i][j, m] * Wq[mla.frequency_rows(h, f, d)[c]]
+    bases = mla.fit.rorope_bases(Wk, sigma, plan)
+    _, nope = mla.fit.split_components(plan)
+    expanded = [torch.stack([sum(bases[i][j, m] * Wq[mla.fit.frequency_rows(h, f, d)[c]]
                                  for m, (g, f) in enumerate(plan.group_members(i)) if g == h // group) for j, i, c in nope])
                 for h in range(plan.num_heads)]
     direct = sum(Q @ sigma @ Q.T for Q in expanded)
-    mixes = mla.query_mixes(bases, nope, plan)
+    mixes = mla.fit.query_mixes(bases, nope, plan)
     for h, Q in enumerate(expanded):  # T_g W_h is the expanded rows
         torch.testing.assert_close(mixes[h // group] @ Wq[h * d : (h + 1) * d], Q, rtol=0, atol=1e-12)
-    torch.testing.assert_close(mla.query_moment(Wq, sigma, mixes, plan), direct, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(mla.fit.query_moment(Wq, sigma, mixes, plan), direct, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("fmt,kv_heads", [("native", 6), ("exact", 6), ("native", 3)])
@@ -158,10 +158,10 @@ def test_refiner_carries_the_original_stream_and_fits_each_layer_relative_to_it(
 
     def perfect_fit(w, config, index, o_weight, x, target, settings, token_scale, held_out, layout, alternatives):
         asked.append((target, token_scale))
-        return w, mla.LayerError(1.0, 0.0), target
+        return w, mla.refine.LayerError(1.0, 0.0), target
 
     monkeypatch.setattr(mla.refine, "refine_layer", perfect_fit)
-    refiner = mla.SequentialRefiner(model.model.rotary_emb, LLAMA, hidden[0].clone(),
+    refiner = mla.refine.SequentialRefiner(model.model.rotary_emb, LLAMA, hidden[0].clone(),
                                     deepseek_config(model, plan, model.model.rotary_emb.inv_freq))
     attention = model.model.layers[0].self_attn
     for index in range(model.config.num_hidden_layers):
@@ -188,21 +188,21 @@ def test_windows_cut_into_short_prompts_are_refined_as_prompts_of_their_own(monk
     starts = short_prompt_starts(ids, 0.5, seed=2)
     config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
     config._attn_implementation = "sdpa"
-    outputs, refine_layer = [], mla.refine_layer
+    outputs, refine_layer = [], mla.refine.refine_layer
 
     def closed_form(w, config, index, o_weight, x, target, settings, token_scale, held_out, layout, alternatives):
         output = refine_layer(w, config, index, o_weight, x, target, Refinement(0), token_scale, held_out, layout)[2]
         outputs.append((w, x, output))
-        return w, mla.LayerError(1.0, 1.0), output
+        return w, mla.refine.LayerError(1.0, 1.0), output
 
     monkeypatch.setattr(mla.refine, "refine_layer", closed_form)
     embeddings = model.get_input_embeddings()(ids)
-    refiner = mla.SequentialRefiner(model.model.rotary_emb, LLAMA, embeddings.detach().clone(), config, starts=starts)
+    refiner = mla.refine.SequentialRefiner(model.model.rotary_emb, LLAMA, embeddings.detach().clone(), config, starts=starts)
     attention = model.model.layers[0].self_attn
     weights = fit_layer(attention, torch.eye(model.config.hidden_size + 1, dtype=torch.float64), plan)
     refiner.refine(0, model.model.layers[0], weights, Refinement(1))
     w, x, output = outputs[0]
-    layer = mla.mla_attention(config, 0, w, attention.o_proj.weight)
+    layer = mla.refine.mla_attention(config, 0, w, attention.o_proj.weight)
     rotary = DeepseekV3RotaryEmbedding(config)
     for i in range(2):
         bounds = torch.nonzero(starts[i]).flatten().tolist() + [48]
@@ -314,13 +314,13 @@ def test_freq_fold_keeps_every_fth_frequency_and_spreads_the_pairs_over_the_spec
     plan = plan_mla(anatomy, kv_rank=16, rope_dim=4)
     assert plan.rope_fold == 4 and plan.groups == 2 and plan.counts == (1, 1)
     assert plan.group_members(1) == [(0, 4), (0, 5), (0, 6), (0, 7), (1, 4), (1, 5), (1, 6), (1, 7)]
-    rope, nope = mla.split_components(plan)
+    rope, nope = mla.fit.split_components(plan)
     assert len(rope) == plan.rope_dim and len(rope) + len(nope) == plan.num_kv_heads * plan.head_dim
     source_frequencies = model.model.rotary_emb.inv_freq
-    config = mla.deepseek_config(model, plan, source_frequencies)
+    config = mla.assemble.deepseek_config(model, plan, source_frequencies)
     written = DeepseekV3RotaryEmbedding(config).inv_freq
     torch.testing.assert_close(written, source_frequencies[::4].float(), rtol=1e-6, atol=0)
-    assert mla.rope_frequencies(plan, source_frequencies) == [float(f) for f in source_frequencies[::4]]
+    assert mla.fit.rope_frequencies(plan, source_frequencies) == [float(f) for f in source_frequencies[::4]]
     assert plan_mla(anatomy, kv_budget=0.5, rope_dim=16).rope_fold == 1  # every frequency has its pair: no fold
 
 
@@ -480,7 +480,7 @@ def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they
     config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
     config._attn_implementation = "sdpa"
     trained_on = []
-    original = mla.sampled_output
+    original = mla.refine.sampled_output
 
     def watching(attention, inputs, rope, rows, visible=None):
         if torch.is_grad_enabled():
@@ -493,7 +493,7 @@ def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they
     assert trained_on and not any(torch.equal(row, x[i]) for batch in trained_on for row in batch for i in (8, 9))
     assert any(torch.equal(row, x[0]) for batch in trained_on for row in batch)
     assert errors.held_after < errors.held_before and errors.after < errors.before
-    assert errors.steps > 0 and errors.steps % mla.HELD_OUT_CHECK == 0
+    assert errors.steps > 0 and errors.steps % mla.refine.HELD_OUT_CHECK == 0
 
     seen = []
 
@@ -567,8 +567,8 @@ def test_vllm_layout_pads_head_dims_to_its_kernel_shapes_and_unties_lm_head(tmp_
     converted = convert(model, LLAMA, windows, padded).model
     reference = convert(model, LLAMA, windows, plain).model
     config = converted.config
-    assert config.kv_lora_rank + config.qk_rope_head_dim in mla.VLLM_MLA_WIDTHS
-    assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) in mla.VLLM_PREFILL_DIMS
+    assert config.kv_lora_rank + config.qk_rope_head_dim in mla.engines.VLLM_MLA_WIDTHS
+    assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) in mla.engines.VLLM_PREFILL_DIMS
     assert not config.tie_word_embeddings and reference.config.tie_word_embeddings
     assert sum(p.numel() for p in converted.model.layers[0].self_attn.parameters()) == padded.attention_parameters(384)
     converted.save_pretrained(tmp_path / "m")
@@ -611,11 +611,11 @@ def test_a_learning_rate_that_helps_no_step_is_retried_lower_until_one_does():
     config = deepseek_config(model, plan, model.model.rotary_emb.inv_freq)
     config._attn_implementation = "sdpa"
     start = fit_layer(attn, second_moment(x), plan)
-    assert mla.backoff_rates(1e-3) == [1e-3, 1e-3 / mla.RATE_BACKOFF, 1e-3 / mla.RATE_BACKOFF**2]
+    assert mla.refine.backoff_rates(1e-3) == [1e-3, 1e-3 / mla.refine.RATE_BACKOFF, 1e-3 / mla.refine.RATE_BACKOFF**2]
     _, steady, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=3e-3), held_out=2)
     assert steady.steps > 0 and steady.lr == 3e-3
     _, backed, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=0.05), held_out=2)
-    assert backed.steps > 0 and backed.lr in mla.backoff_rates(0.05)[1:] and backed.held_after < backed.held_before
+    assert backed.steps > 0 and backed.lr in mla.refine.backoff_rates(0.05)[1:] and backed.held_after < backed.held_before
     _, hopeless, _ = refine_layer(start, config, 0, attn.o_proj.weight, x, target, Refinement(30, lr=1e3), held_out=2)
     assert hopeless.steps == 0 and hopeless.lr is None and hopeless.held_after == pytest.approx(hopeless.held_before)
 
@@ -642,7 +642,7 @@ def test_native_dominance_keeps_typical_tokens_and_bounds_a_token_whose_channel_
     x, attn, _ = first_layer_on_windows(model, 4)
     sigma = second_moment(x)
     w = fit_layer(attn, sigma, plan)
-    a = mla.constant_direction(sigma)
+    a = mla.fit.constant_direction(sigma)
     tokens = x.reshape(-1, x.shape[-1]).double()
     vanished = tokens - (tokens @ a)[:, None] * a[None] / a.dot(a)  # a . x = 0
     tokens = vanished + a[None] / a.dot(a)  # a . x = 1
@@ -654,8 +654,8 @@ def test_native_dominance_keeps_typical_tokens_and_bounds_a_token_whose_channel_
         return (w.kv_a_norm * latent / rms)[:, :r]
 
     typical = normed_latent(w, tokens)
-    for dominance in mla.CHANNEL_DOMINANCES:
-        other = mla.with_dominance(w, dominance)
+    for dominance in mla.fit.CHANNEL_DOMINANCES:
+        other = mla.fit.with_dominance(w, dominance)
         gap = (normed_latent(other, tokens) - typical).norm() / typical.norm()
         assert gap < (0.02 if dominance >= 8 else 0.3), (dominance, gap)  # the channel's share of the norm shrinks
         growth = normed_latent(other, vanished).norm(dim=-1) / typical.norm(dim=-1)
@@ -670,8 +670,8 @@ def test_refinement_starts_from_the_closed_form_alternative_with_the_lowest_erro
     _, alone, _ = refine_layer(good, config, 0, attn.o_proj.weight, x, target, Refinement(0))
     assert kept is good and errors.before == pytest.approx(alone.before)
     anatomy = inspect_config(build_tiny("llama", 384, num_key_value_heads=2).config)
-    assert mla.closed_form_alternatives(good, plan_mla(anatomy, kv_budget=0.5))
-    assert not mla.closed_form_alternatives(good, plan_mla(anatomy, kv_budget=0.5, format="exact"))
+    assert mla.fit.closed_form_alternatives(good, plan_mla(anatomy, kv_budget=0.5))
+    assert not mla.fit.closed_form_alternatives(good, plan_mla(anatomy, kv_budget=0.5, format="exact"))
 
 
 def test_native_closed_forms_span_every_ridge_and_dominance_the_default_first():
@@ -686,16 +686,16 @@ def test_native_closed_forms_span_every_ridge_and_dominance_the_default_first():
     x, attn, _ = first_layer_on_windows(model, 4)
     stats = InputStatistics()
     stats.add(x)
-    forms = mla.layer_closed_forms(attn, stats, plan, True, None)
-    assert len(forms) == len(mla.CONSTANT_RIDGES) * len(mla.CHANNEL_DOMINANCES)
+    forms = mla.fit.layer_closed_forms(attn, stats, plan, True, None)
+    assert len(forms) == len(mla.fit.CONSTANT_RIDGES) * len(mla.fit.CHANNEL_DOMINANCES)
     first = fit_layer(attn, stats.sigma, plan, True, stats.sigma_first)
     assert all(torch.equal(getattr(forms[0], f), getattr(first, f)) for f in ("q_proj", "kv_a_weight", "kv_b_proj"))
     tokens = x.reshape(-1, x.shape[-1]).double()
-    misses = [(tokens @ mla.constant_direction(stats.sigma, stats.sigma_first, ridge) - 1).pow(2).mean()
-              for ridge in sorted(mla.CONSTANT_RIDGES, reverse=True)]
+    misses = [(tokens @ mla.fit.constant_direction(stats.sigma, stats.sigma_first, ridge) - 1).pow(2).mean()
+              for ridge in sorted(mla.fit.CONSTANT_RIDGES, reverse=True)]
     assert all(later < earlier for earlier, later in zip(misses, misses[1:])), misses
-    assert not torch.equal(forms[0].q_proj, forms[len(mla.CHANNEL_DOMINANCES)].q_proj)  # the query bias folds on a
-    assert len(mla.layer_closed_forms(attn, stats, plan_mla(anatomy, kv_budget=0.5, format="exact"), True, None)) == 1
+    assert not torch.equal(forms[0].q_proj, forms[len(mla.fit.CHANNEL_DOMINANCES)].q_proj)  # the query bias folds on a
+    assert len(mla.fit.layer_closed_forms(attn, stats, plan_mla(anatomy, kv_budget=0.5, format="exact"), True, None)) == 1
 
 
 def test_the_report_names_the_closed_form_each_layer_started_from():
@@ -703,14 +703,14 @@ def test_the_report_names_the_closed_form_each_layer_started_from():
 
     anatomy = inspect_config(build_tiny("qwen2", 384, num_key_value_heads=2).config)
     plan = plan_mla(anatomy, kv_budget=0.5)
-    labels = mla.closed_form_labels(plan)
-    assert len(labels) == len(mla.CONSTANT_RIDGES) * len(mla.CHANNEL_DOMINANCES) and len(set(labels)) == len(labels)
-    errors = [mla.LayerError(1.0, 0.5, start=start) for start in (0, len(labels) - 1, len(labels) - 1)]
+    labels = mla.fit.closed_form_labels(plan)
+    assert len(labels) == len(mla.fit.CONSTANT_RIDGES) * len(mla.fit.CHANNEL_DOMINANCES) and len(set(labels)) == len(labels)
+    errors = [mla.refine.LayerError(1.0, 0.5, start=start) for start in (0, len(labels) - 1, len(labels) - 1)]
     report = ConvertReport(plan=plan, anatomy=anatomy, layer_errors=errors)
     assert f"{labels[-1]} in 2; {labels[0]} in 1" in layer_error_lines(report)[-1]
     assert [r["start"] for r in layer_error_records(report)] == [labels[0], labels[-1], labels[-1]]
     exact = ConvertReport(plan=plan_mla(anatomy, kv_budget=0.5, format="exact"), anatomy=anatomy,
-                          layer_errors=[mla.LayerError(1.0, 0.5)])
+                          layer_errors=[mla.refine.LayerError(1.0, 0.5)])
     assert not any("started from" in line for line in layer_error_lines(exact))
 
 
@@ -719,11 +719,11 @@ def test_rope_key_bias_folds_whole_on_fast_pairs_and_drops_on_slow_ones():
     (its bias term varies across keys), near 0 where it barely turns (the softmax is blind to it), monotone
     between, and a wider spread of the constant channel shrinks more."""
     frequencies = torch.tensor([1.0, 1e-2, 1e-3, 1e-4, 1e-6])
-    beta = mla.rope_bias_shrinkage(frequencies, spread=0.01, span=1024)
+    beta = mla.fit.rope_bias_shrinkage(frequencies, spread=0.01, span=1024)
     assert beta.shape == (10,) and torch.equal(beta[0::2], beta[1::2])  # both rows of a pair alike
     pairs = beta[0::2]
     assert pairs[0] > 0.98 and pairs[-1] < 1e-3 and torch.all(pairs[:-1] >= pairs[1:])
-    assert torch.all(mla.rope_bias_shrinkage(frequencies, spread=0.1, span=1024) <= beta)
+    assert torch.all(mla.fit.rope_bias_shrinkage(frequencies, spread=0.1, span=1024) <= beta)
 
 
 def test_native_fit_shrinks_slow_key_biases_and_errs_less_on_a_biased_model():
@@ -746,7 +746,7 @@ def test_native_fit_shrinks_slow_key_biases_and_errs_less_on_a_biased_model():
     rope = DeepseekV3RotaryEmbedding(config)(x[:1], torch.arange(x.shape[1])[None])
 
     def error(w) -> float:
-        output = sampled_output(mla.mla_attention(config, 0, w, attn.o_proj.weight), x, rope, torch.arange(x.shape[1]))
+        output = sampled_output(mla.refine.mla_attention(config, 0, w, attn.o_proj.weight), x, rope, torch.arange(x.shape[1]))
         return float((output - target)[:, 1:].pow(2).sum().detach() / target[:, 1:].pow(2).sum())
 
     inv_freq = model.model.rotary_emb.inv_freq
@@ -762,19 +762,19 @@ def test_default_rope_width_is_a_third_of_the_budget_whatever_the_number_of_kv_h
     """The widest head_dim / f within a third of the budget: the demo's 3 KV heads at 0.5 keep 64 of 192
     values, Qwen2.5's 2 at 0.5 keep 32 of 128 (64 would starve the latent, 42 would leave the slow
     frequencies without a pair); the whole original cache keeps every component."""
-    assert mla.default_rope_dim(192, 64, 64, 384) == 64
-    assert mla.default_rope_dim(128, 64, 64, 256) == 32
-    assert mla.default_rope_dim(64, 64, 64, 256) == 16
-    assert mla.default_rope_dim(4, 64, 64, 256) == 2
-    assert mla.default_rope_dim(96, 64, 64, 384) == 32
-    assert mla.default_rope_dim(256, 64, 64, 256) == 64
-    assert mla.default_rope_dim(512, 64, 128, 512) == 128  # flexible layout, two KV heads, full budget
+    assert mla.plan.default_rope_dim(192, 64, 64, 384) == 64
+    assert mla.plan.default_rope_dim(128, 64, 64, 256) == 32
+    assert mla.plan.default_rope_dim(64, 64, 64, 256) == 16
+    assert mla.plan.default_rope_dim(4, 64, 64, 256) == 2
+    assert mla.plan.default_rope_dim(96, 64, 64, 384) == 32
+    assert mla.plan.default_rope_dim(256, 64, 64, 256) == 64
+    assert mla.plan.default_rope_dim(512, 64, 128, 512) == 128  # flexible layout, two KV heads, full budget
 
 
 def test_default_rope_width_is_at_most_deepseeks_below_the_full_budget():
     """Llama-3.1-8B (8 KV heads of 128) at 0.5 keeps 64 RoPE dims, not 128, and FreqFold 2 spreads them over
     every frequency; a head of 96 keeps 48 (a pair per group of two); the full budget keeps every component."""
-    assert mla.default_rope_dim(1024, 128, 128, 2048) == 64
-    assert mla.default_rope_fold(128, 64, "standard") == 2
-    assert mla.default_rope_dim(1536, 96, 96, 3072) == 48
-    assert mla.default_rope_dim(2048, 128, 128, 2048) == 128
+    assert mla.plan.default_rope_dim(1024, 128, 128, 2048) == 64
+    assert mla.plan.default_rope_fold(128, 64, "standard") == 2
+    assert mla.plan.default_rope_dim(1536, 96, 96, 3072) == 48
+    assert mla.plan.default_rope_dim(2048, 128, 128, 2048) == 128

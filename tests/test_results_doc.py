@@ -79,10 +79,10 @@ def test_a_recipe_rerun_alone_keeps_the_other_rows_with_the_run_that_made_them(t
 
 
 def test_the_committed_docs_match_the_committed_runs():
-    runs = results_doc.load_runs()
+    runs, long_runs = results_doc.load_runs(), results_doc.load_runs(kind="long_context")
     assert runs, "docs/results/ holds no quality_matrix*.json"
-    assert results_doc.DOC.read_text() == results_doc.results_doc(runs)
-    assert results_doc.README.read_text() == results_doc.with_summary(results_doc.README.read_text(), runs)
+    assert results_doc.DOC.read_text() == results_doc.results_doc(runs, long_runs)
+    assert results_doc.README.read_text() == results_doc.with_summary(results_doc.README.read_text(), runs, long_runs)
 
 
 def long_row(name: str, rates: list[float], kept: list[float], late: float) -> dict:

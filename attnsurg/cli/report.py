@@ -77,11 +77,13 @@ def print_ppl(report) -> None:
     out.print(f"ppl {report.ppl_before:.3f} -> {surgery}{report.ppl_after:.3f}{healed} (x{report.ppl_after / report.ppl_before:.3f}) "
               "on the calibration text's eval part")
     print_domains(report)
+
+
+def print_long_context(report) -> None:
     if getattr(report, "long_context", None) is not None:
         from attnsurg.eval.long_context import long_context_line
 
-        before, after = report.long_context
-        out.print(long_context_line(before, after), highlight=False)
+        out.print(long_context_line(*report.long_context), highlight=False)
 
 
 def heal_record(heal) -> dict | None:
@@ -125,6 +127,7 @@ def print_surgery_report(model: str, report, dry_run: bool, json_output: bool) -
         out.print(line)
     print_heal_summary(report.heal)
     print_ppl(report)
+    print_long_context(report)
 
 
 def print_heal_report(recipe, report, dry_run: bool, json_output: bool) -> None:

@@ -54,11 +54,16 @@ def test_full_budget_keeps_every_hit_and_the_late_perplexity(stream, long_checkp
     assert f"retrieval at {LENGTH} tokens" in card and "ppl at positions 1K-2K" in card
 
 
-def test_the_check_prints_one_line_beside_the_domains(long_checkpoint, long_texts, tmp_path):
-    result = compress(long_checkpoint, tmp_path / "out", "--ratio", "0.5", "--eval-long", str(LENGTH))
+@pytest.mark.parametrize("eval_tokens", ["128", "0"])
+@pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
+def test_the_check_prints_one_line_with_or_without_the_domains(stream, eval_tokens, long_checkpoint, long_texts,
+                                                                tmp_path):
+    result = compress(long_checkpoint, tmp_path / "out", "--ratio", "0.5", "--eval-long", str(LENGTH), stream,
+                      "--eval-tokens", eval_tokens)
     assert result.exit_code == 0, result.output
     line = next(line for line in result.stdout.splitlines() if line.startswith("long context"))
     assert line.startswith(f"long context, {LENGTH:,} tokens: retrieval ") and "ppl at positions 1K-2K" in line
+    assert f"retrieval at {LENGTH} tokens" in (tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("length, message", [("4096", "beyond the model's context (2048 positions)"),

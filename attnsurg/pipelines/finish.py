@@ -34,7 +34,7 @@ def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: S
     recipe = job.recipe
     texts = scored_texts(surgery.tokenizer, job, report.anatomy)
     offloaded = False
-    if texts:
+    if texts or recipe.eval.long_context:
         scores, checks = [], []
         for label, path in (("the source", Path(source.path)), ("the result", staging)):
             model = scoring_model(path, surgery.device)  # one model in memory at a time
@@ -43,7 +43,8 @@ def finish_streamed(staging: Path, written: PretrainedConfig, source, surgery: S
             if not offloaded:  # the long-context check reads a cache: not through disk offload
                 checks.append(long_context_of(model, surgery.tokenizer, job, label))
             del model
-        record_scores(report, texts, *scores)
+        if texts:
+            record_scores(report, texts, *scores)
         report.long_context = tuple(checks) if len(checks) == 2 and None not in checks else None
     info = card()
     info.license = info.license or source_license(recipe.model.ref)

@@ -105,12 +105,12 @@ def record_scores(report, texts: list[ScoredText], before: list[float], after: l
 
 
 def add_score_rows(info: CardInfo, job: Job, report) -> None:
-    """The card's perplexity rows: the calibration text's, then each domain's."""
-    if report.ppl_before is None:
-        return
-    info.figures.append(perplexity_row(scored_text(job.recipe.calibration.data), job.recipe.eval.tokens, report.ppl_before,
-                                       report.ppl_after, f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))
-    info.figures.extend(domain_rows(report.domains, job.recipe.eval.tokens))
+    """The card's perplexity rows: the calibration text's, then each domain's; then the long-context check's."""
+    if report.ppl_before is not None:
+        info.figures.append(perplexity_row(scored_text(job.recipe.calibration.data), job.recipe.eval.tokens,
+                                           report.ppl_before, report.ppl_after,
+                                           f" (x{report.ppl_after / report.ppl_before:.3f}, the calibration text)"))
+        info.figures.extend(domain_rows(report.domains, job.recipe.eval.tokens))
     if report.long_context is not None:
         before, after = report.long_context
         length = job.recipe.eval.long_context

@@ -107,6 +107,18 @@ def record_start() -> None:
     _STARTED = provenance()
 
 
+def cached_by_settings(cache: Path, settings: dict, compute) -> dict:
+    """``compute()``'s record (which holds ``settings``), read from ``cache`` when it was made with the same
+    settings, else computed and written there: a benchmark's slow per-model scores reused by later runs."""
+    if cache.is_file():
+        cached = json.loads(cache.read_text())
+        if cached["settings"] == settings:
+            return cached
+    record = compute()
+    cache.write_text(json.dumps(record))
+    return record
+
+
 def write_result(name: str, record, **dumps) -> Path:
     """Write a benchmark's record to benchmarks/results/NAME.json, with its ``provenance`` (as taken by
     ``record_start`` when the benchmark called it, else now) and the time it finished."""

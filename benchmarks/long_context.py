@@ -22,7 +22,6 @@ docs/results.md once copied into docs/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from attnsurg.eval.tasks.base import retained
 from attnsurg.io.load import load_config, resolve_source
 from attnsurg.io.recipe_file import shipped_recipes
 from attnsurg.requests import ModelRef, PerplexityEval, TasksEval, TextData
-from common import write_result
+from common import cached_by_settings, write_result
 from quality_matrix import DEMO, checkpoint_for, refusal
 from results_doc import long_context_table
 
@@ -46,10 +45,10 @@ def default_lengths(context: int) -> list[int]:
 
 def scores_of(model: str, settings: dict, cache: Path) -> dict:
     """Retrieval items and position-band perplexities of one model, cached by settings."""
-    if cache.is_file():
-        cached = json.loads(cache.read_text())
-        if cached["settings"] == settings:
-            return cached
+    return cached_by_settings(cache, settings, lambda: scored(model, settings))
+
+
+def scored(model: str, settings: dict) -> dict:
     start = time.perf_counter()
     tasks = run_tasks(TasksEval(models=[ModelRef(ref=model)], tasks=["retrieval"], device="cpu",
                                 retrieval_lengths=settings["lengths"], retrieval_questions=settings["questions"]))
@@ -58,11 +57,9 @@ def scores_of(model: str, settings: dict, cache: Path) -> dict:
     ppl = run_perplexity(PerplexityEval(models=[ModelRef(ref=model)], data=TextData(dataset=settings["ppl_text"]),
                                         max_length=settings["ppl_length"], by_position=True, device="cpu",
                                         max_tokens=settings["ppl_windows"] * settings["ppl_length"]))
-    record = {"settings": settings, "retrieval_items": {str(n): result.items[f"acc {n}"] for n in settings["lengths"]},
+    return {"settings": settings, "retrieval_items": {str(n): result.items[f"acc {n}"] for n in settings["lengths"]},
               "retrieval_stderr": result.details["stderr_by_length"], "ppl_by_position": ppl.results[0].ppl_by_position,
               "seconds": {"retrieval": retrieval_seconds, "perplexity": time.perf_counter() - start - retrieval_seconds}}
-    cache.write_text(json.dumps(record))
-    return record
 
 
 def row_of(name: str, record: dict, original: dict) -> dict:

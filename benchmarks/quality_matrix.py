@@ -34,7 +34,7 @@ from attnsurg.io.load import load_config, resolve_source
 from attnsurg.io.recipe_file import load_recipe, shipped_recipes
 from attnsurg.recipe import ConvertSettings
 from attnsurg.requests import ModelRef, PerplexityEval, TasksEval, TextData
-from common import write_result
+from common import cached_by_settings, write_result
 from results_doc import matrix_note, matrix_table
 from attnsurg.pipelines.run import run_recipe
 
@@ -68,10 +68,10 @@ def item_fingerprint() -> str:
 
 def scores_of(model: str, settings: dict, cache: Path) -> dict:
     """Perplexity on every domain and the task results of one model, cached by settings."""
-    if cache.is_file():
-        cached = json.loads(cache.read_text())
-        if cached["settings"] == settings:
-            return cached
+    return cached_by_settings(cache, settings, lambda: scored(model, settings))
+
+
+def scored(model: str, settings: dict) -> dict:
     texts = [TextData(dataset=name) for name in DOMAINS]
     ppl = run_perplexity(PerplexityEval(models=[ModelRef(ref=model)], data=texts[0], more_data=texts[1:],
                                         max_tokens=settings["windows"] * 1024, device="cpu"))
@@ -82,7 +82,6 @@ def scores_of(model: str, settings: dict, cache: Path) -> dict:
                                      passkey_lengths=settings["passkey_lengths"], device="cpu"))
         record["tasks"] = {task: {"metrics": r.metrics, "items": r.items, "details": r.details}
                            for task, r in report.models[0].results.items()}
-    cache.write_text(json.dumps(record))
     return record
 
 

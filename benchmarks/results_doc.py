@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -98,7 +99,7 @@ def tokens(length: str | int) -> str:
 
 
 def kept(share: float) -> str:
-    return "n/a" if share != share else f"{share:.2f}"  # nan: the original answered none
+    return "n/a" if math.isnan(share) else f"{share:.2f}"  # nan: the original answered none
 
 
 def provenance_line(origin: dict) -> str:

@@ -24,13 +24,14 @@ from transformers import PretrainedConfig
 
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import embedded, streamed_layers
-from attnsurg.io.lazy import CheckpointReader, embedding_scale, rotary_embedding
-from attnsurg.io.resume import LayerCheckpoints, start_stream
-from attnsurg.io.shards import ShardWriter, planned_tensors
+from attnsurg.io.lazy import CheckpointReader, rotary_embedding
+from attnsurg.io.resume import LayerCheckpoints, StreamStart
+from attnsurg.io.shards import planned_tensors
 from attnsurg.methods.base import LayerTensors, method_of
 from attnsurg.methods.consumers import LayerContext, layer_inv_freq
 from attnsurg.methods.factorized import attnsurg_config
 from attnsurg.modeling.modeling_attnsurg import CLASSES
+from attnsurg.pipelines.layerwise import LayerwiseTarget, write_layerwise
 
 Plan = Any  # a compress method's plan; ``method_of(plan)`` finds the method again
 
@@ -61,30 +62,46 @@ def compress_streamed(
         method.surveyed(plan, surveys(reader, source_config, family, windows, plan, device))
     config = written_config(source_config, method.planned_surgery(plan, family), dtype)
     planned = planned_tensors(CLASSES[source_config.model_type][1], config, dtype)
-    late = factor_names(planned) if method.shapes_known_late(plan) else ()
-    with ShardWriter(output, planned, max_shard_size, flexible=late) as writer:
-        start = start_stream(reader, family.layers_path.rsplit(".", 1)[0], windows, writer, dtype, config.tie_word_embeddings,
-                             checkpoints, config.num_hidden_layers, embedding_scale(source_config))
-        if progress and start.layer:
-            progress(start.layer)
-        rotary = rotary_embedding(source_config)
-        records, unconverged = list(start.errors), []
-        for index, layer, (x, o), stream in streamed_layers(reader, source_config, family, start.stream, hooked(family),
-                                                            device, start.layer):
-            context = layer_context(layer, x, o, layer_inv_freq(rotary, source_config, index), source_config, family,
-                                    windows.shape[1])
-            tensors = method.operate_layer(plan, family, index, context, seed)
-            records += tensors.records
-            unconverged += tensors.unconverged
-            write_layer(writer, f"{family.layers_path}.{index}.", layer, tensors)
-            if checkpoints:
-                checkpoints.save(index + 1, {"stream": stream}, writer, records)
-            if progress:
-                progress()
-        writer.finish()
-    method.warn_capped(plan, unconverged, len(records) - len(start.errors))
+    late = factor_names(planned) if method.shapes_known_late(plan) else set()
+    operator = CompressOperator(plan, family, source_config, windows.shape[1], seed)
+    records = write_layerwise(reader, source_config, family, windows, operator,
+                              LayerwiseTarget(output, planned, dtype, max_shard_size, checkpoints, late), progress, device)
+    method.warn_capped(plan, operator.unconverged, operator.operated)
     errors = method.apply_records(plan, records)
     return written_config(source_config, method.surgery(plan, family), dtype), errors
+
+
+class CompressOperator:
+    """A compress method's part in the layerwise run: each layer from the statistics of its attention's and
+    o_proj's inputs (``CompressMethod.operate_layer``); it carries nothing."""
+
+    received, starts = (), None
+
+    def __init__(self, plan: Plan, family: Family, source_config: PretrainedConfig, seq_len: int, seed: int = 0):
+        self.plan, self.method, self.family, self.source_config = plan, method_of(plan), family, source_config
+        self.seq_len, self.seed = seq_len, seed
+        self.hooked = hooked(family)
+        self.rotary = rotary_embedding(source_config)
+        self.unconverged: list[tuple[str, float]] = []
+        self.operated = 0  # units operated on in this run (a resumed run's earlier ones not counted)
+
+    def begin(self, start: StreamStart) -> None:
+        pass
+
+    def operate(self, index: int, layer: torch.nn.Module, statistics: list, inputs: torch.Tensor) -> LayerTensors:
+        x, o = statistics
+        context = layer_context(layer, x, o, layer_inv_freq(self.rotary, self.source_config, index), self.source_config,
+                                self.family, self.seq_len)
+        tensors = self.method.operate_layer(self.plan, self.family, index, context, self.seed)
+        self.unconverged += tensors.unconverged
+        self.operated += len(tensors.records)
+        return tensors
+
+    def carried(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def note(self, tensors: LayerTensors) -> str:
+        return ""
 
 
 def hooked(family: Family) -> tuple[str, str]:
@@ -122,16 +139,3 @@ def written_config(source_config: PretrainedConfig, surgery: dict, dtype: torch.
 def factor_names(planned: dict[str, torch.Tensor]) -> set[str]:
     """The head-tensor factors and cores, whose shapes a Tucker --ratio chooses per projection."""
     return {name for name in planned if name.rsplit(".", 1)[-1] in ("factor_heads", "factor_dim", "factor_hidden", "core")}
-
-
-def write_layer(writer: ShardWriter, prefix: str, layer: torch.nn.Module, tensors: LayerTensors) -> None:
-    """One decoder layer: the replaced modules' tensors, the added ones, and every other tensor of the source
-    layer as it is."""
-    for path, state in tensors.replaced.items():
-        for name, tensor in state.items():
-            writer.add(f"{path}.{name}", tensor)
-    for name, tensor in tensors.added.items():
-        writer.add(name, tensor)
-    for name, tensor in layer.state_dict().items():
-        if not any((prefix + name).startswith(path + ".") for path in tensors.replaced):
-            writer.add(prefix + name, tensor)

@@ -17,14 +17,15 @@ import torch
 from transformers import DeepseekV3ForCausalLM, PretrainedConfig
 
 from attnsurg.arch.families import Family
-from attnsurg.calibrate import streamed_layers
 from attnsurg.io.lazy import CheckpointReader, rotary_embedding
-from attnsurg.io.resume import LayerCheckpoints, StreamStart, start_stream
-from attnsurg.io.shards import ShardWriter, planned_tensors
+from attnsurg.io.resume import LayerCheckpoints, StreamStart
+from attnsurg.io.shards import planned_tensors
+from attnsurg.methods.base import LayerTensors
 from attnsurg.methods.mla.assemble import attention_state, deepseek_config, padded_heads
 from attnsurg.methods.mla.fit import layer_closed_forms
 from attnsurg.methods.mla.plan import MLAPlan
 from attnsurg.methods.mla.refine import HELD_OUT_SHARE, LayerError, Refinement, SequentialRefiner
+from attnsurg.pipelines.layerwise import LayerwiseTarget, write_layerwise
 
 
 @torch.no_grad()
@@ -52,32 +53,52 @@ def convert_streamed(
     rotary = rotary_embedding(source_config)
     config = deepseek_config(source_config, plan, rotary.inv_freq)
     config.dtype = str(dtype).removeprefix("torch.")
-    fitted = deepseek_config(source_config, plan.fitted, rotary.inv_freq)
-    fitted._attn_implementation = "sdpa"
-    refinement = refinement if refinement and refinement.steps else None
-    with ShardWriter(output, planned_tensors(DeepseekV3ForCausalLM, config, dtype), max_shard_size) as writer:
-        start = start_stream(reader, family.layers_path.rsplit(".", 1)[0], windows, writer, dtype,
-                             config.tie_word_embeddings, checkpoints, config.num_hidden_layers)
-        if progress and start.layer:
-            progress(start.layer)
-        refiner = started_refiner(rotary, family, fitted, start, windows.shape[1], refinement, device, starts)
-        errors = [LayerError(*error) for error in start.errors]
-        hooked = (family.attention_attr,)
-        for index, layer, (statistics,), stream in streamed_layers(reader, source_config, family, start.stream, hooked,
-                                                                   device, start.layer, received=hooked if received else (),
-                                                                   starts=starts):
-            attention = getattr(layer, family.attention_attr)
-            weights, *alternatives = layer_closed_forms(attention, statistics, plan, weighted, rotary.inv_freq)
-            if refiner:
-                weights, error = refiner.refine(index, layer, weights, refinement, alternatives)
-                errors.append(error)
-            write_layer(writer, f"{family.layers_path}.{index}.", layer, family, weights, plan, dtype)
-            if checkpoints:
-                checkpoints.save(index + 1, {"stream": stream, **(refiner.carried() if refiner else {})}, writer, errors)
-            if progress:
-                progress(note=f"layer error {errors[-1].before:.3f} -> {errors[-1].after:.3f}" if errors else "")
-        writer.finish()
-    return config, errors
+    operator = MLAOperator(plan, family, source_config, windows.shape[1], weighted, refinement, dtype, device, received,
+                           starts)
+    target = LayerwiseTarget(output, planned_tensors(DeepseekV3ForCausalLM, config, dtype), dtype, max_shard_size,
+                             checkpoints)
+    records = write_layerwise(reader, source_config, family, windows, operator, target, progress, device)
+    return config, [LayerError(*record) for record in records]
+
+
+class MLAOperator:
+    """MLA's part in the layerwise run: each layer's closed forms from its attention input's statistics, then
+    sequential refinement, which carries the original and the converted residual streams of its windows."""
+
+    def __init__(self, plan: MLAPlan, family: Family, source_config: PretrainedConfig, window: int, weighted: bool,
+                 refinement: Refinement | None, dtype: torch.dtype, device: torch.device | None, received: bool,
+                 starts: torch.Tensor | None):
+        self.plan, self.family, self.window, self.weighted, self.dtype, self.device = plan, family, window, weighted, dtype, device
+        self.refinement = refinement if refinement and refinement.steps else None
+        self.rotary = rotary_embedding(source_config)
+        self.fitted = deepseek_config(source_config, plan.fitted, self.rotary.inv_freq)
+        self.fitted._attn_implementation = "sdpa"
+        self.hooked = (family.attention_attr,)
+        self.received = self.hooked if received else ()
+        self.starts = starts
+        self.refiner: SequentialRefiner | None = None
+
+    def begin(self, start: StreamStart) -> None:
+        self.refiner = started_refiner(self.rotary, self.family, self.fitted, start, self.window, self.refinement,
+                                       self.device, self.starts)
+
+    def operate(self, index: int, layer: torch.nn.Module, statistics: list, inputs: torch.Tensor) -> LayerTensors:
+        attention = getattr(layer, self.family.attention_attr)
+        weights, *alternatives = layer_closed_forms(attention, statistics[0], self.plan, self.weighted, self.rotary.inv_freq)
+        records = []
+        if self.refiner:
+            weights, error = self.refiner.refine(index, layer, weights, self.refinement, alternatives)
+            records.append(error)
+        w, o_weight = padded_heads(weights, attention.o_proj.weight.double(), self.plan)
+        state = {name: tensor.to(self.dtype) for name, tensor in attention_state(w, o_weight, self.plan.query_route).items()}
+        return LayerTensors(replaced={f"{self.family.layers_path}.{index}.{self.family.attention_attr}": state},
+                            records=records)
+
+    def carried(self) -> dict[str, torch.Tensor]:
+        return self.refiner.carried() if self.refiner else {}
+
+    def note(self, tensors: LayerTensors) -> str:
+        return f"layer error {tensors.records[-1].before:.3f} -> {tensors.records[-1].after:.3f}" if tensors.records else ""
 
 
 def started_refiner(rotary, family: Family, fitted: PretrainedConfig, start: StreamStart, window: int,
@@ -95,15 +116,3 @@ def started_refiner(rotary, family: Family, fitted: PretrainedConfig, start: Str
     if start.carried:
         refiner.resume(start.carried)
     return refiner
-
-
-def write_layer(writer: ShardWriter, prefix: str, layer: torch.nn.Module, family: Family, weights, plan: MLAPlan,
-                dtype: torch.dtype) -> None:
-    """One converted decoder layer: the new attention, and the source's norms and MLP as they are."""
-    attention = getattr(layer, family.attention_attr)
-    w, o_weight = padded_heads(weights, attention.o_proj.weight.double(), plan)
-    for name, tensor in attention_state(w, o_weight, plan.query_route).items():
-        writer.add(f"{prefix}{family.attention_attr}.{name}", tensor.to(dtype))
-    for name, tensor in layer.state_dict().items():
-        if not name.startswith(f"{family.attention_attr}."):
-            writer.add(prefix + name, tensor.to(dtype))

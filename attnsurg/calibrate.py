@@ -7,7 +7,7 @@ W x + b has output second moment [W b] E[x~ x~^T] [W b]^T: biases need no specia
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from functools import partial
 from itertools import pairwise
 
@@ -274,14 +274,15 @@ def additive_mask(visible: torch.Tensor) -> torch.Tensor:
 
 def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked: tuple[str, ...],
                     device: torch.device | None = None, start: int = 0, received: tuple[str, ...] = (),
-                    starts: torch.Tensor | None = None):
+                    starts: torch.Tensor | None = None, layers: Sequence[nn.Module] | None = None):
     """Each decoder layer from ``start`` on, read alone (``io.lazy``) and run over the residual stream of every
     window ([n, L, D], float32: layer ``start``'s input, the embeddings from the first), one layer in memory at a
     time: yields ``(index, layer, statistics, stream)``, the ``InputStatistics`` of each ``hooked`` submodule over
     the windows and the stream the layer has advanced. With ``device``, the stream and each layer's pass live
     there; the layer is yielded back on the CPU. The ``received`` ones among the hooked (attention layers) also
     weigh each token by the attention it receives. ``starts`` ([n, L] bool, ``short_prompt_starts``) cuts the
-    windows into prompts that each see only themselves, from position 0, as if run alone."""
+    windows into prompts that each see only themselves, from position 0, as if run alone. ``layers``: the decoder
+    layers of a model in memory (float32), taken instead of reading them."""
     from attnsurg.io.lazy import load_layer, rotary_embedding
     from attnsurg.modeling.modeling_attnsurg import layer_rotary, layer_window
     from attnsurg.placement import on_device
@@ -291,7 +292,7 @@ def streamed_layers(reader, config, family: Family, stream: torch.Tensor, hooked
     stream = stream.to(device or stream.device)
     rotary = rotary_embedding(config).to(stream.device)
     for index in range(start, config.num_hidden_layers):
-        layer = load_layer(reader, config, index, prefix=family.layers_path)
+        layer = layers[index] if layers is not None else load_layer(reader, config, index, prefix=family.layers_path)
         stats = {name: InputStatistics() for name in hooked}
         current = {}
 

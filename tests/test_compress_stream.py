@@ -12,7 +12,7 @@ from attnsurg.io.lazy import CheckpointReader
 from attnsurg.io.load import load_model, resolve_source
 from attnsurg.methods.base import operate_loaded
 from attnsurg.methods.lowrank import plan_lowrank
-from attnsurg.methods.compress_stream import compress_streamed
+from attnsurg.methods.compress_layers import compress_streamed
 
 from conftest import assert_streamed_like_loaded
 

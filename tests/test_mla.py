@@ -504,7 +504,7 @@ def test_refinement_never_trains_on_its_held_out_windows_and_keeps_the_step_they
         seen.append(args[4])  # held_out
         raise Seen
 
-    monkeypatch.setattr(mla.conversion, "SequentialRefiner", refiner)
+    monkeypatch.setattr(mla.operator, "SequentialRefiner", refiner)
     with pytest.raises(Seen):
         convert(model, LLAMA, torch.randint(0, 384, (8, 64)), plan, refinement=Refinement(5, tokens=4 * 64))
     assert seen == [1]

@@ -21,7 +21,7 @@ from attnsurg.io.resume import CHECKPOINT_FILE, LayerCheckpoints, state_director
 from attnsurg.methods.headtensor import plan_head_tensor
 from attnsurg.methods.loki import plan_loki
 from attnsurg.methods.lowrank import plan_lowrank
-from attnsurg.methods.compress_stream import compress_streamed
+from attnsurg.methods.compress_layers import compress_streamed
 from attnsurg.methods.mla.plan import plan_mla
 from attnsurg.methods.mla.refine import Refinement
 from attnsurg.methods.mla.stream import convert_streamed

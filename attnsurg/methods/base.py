@@ -23,9 +23,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.anatomy import AttentionAnatomy
 from attnsurg.arch.families import Family
-from attnsurg.calibrate import InputStatistics, attention_layers, input_statistics
+from attnsurg.calibrate import InputStatistics
 from attnsurg.methods import catalog
-from attnsurg.methods.consumers import PROJECTIONS, LayerContext, layer_contexts
+from attnsurg.methods.consumers import LayerContext, layer_contexts
 from attnsurg.recipe import CompressSettings
 from attnsurg.requests import COMMAND_CALIBRATION, Calibration
 
@@ -219,18 +219,15 @@ class CompressMethod(SurgeryMethod):
 
     def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings, report: SurgeryReport,
                       progress: Progress = None) -> PreTrainedModel:
-        attentions = attention_layers(source, inputs.family)
-        stats = input_statistics(source, attentions + [getattr(a, PROJECTIONS["o"]) for a in attentions],
-                                 inputs.windows, device=inputs.device)
-        layer_stats = list(zip(stats[: len(attentions)], stats[len(attentions) :], strict=True))
-        result = self.operate(source, inputs.family, layer_stats, report.plan, inputs.windows.shape[1], inputs.seed,
-                              progress)
+        from attnsurg.methods.compress_layers import compress_loaded
+
+        result = compress_loaded(source, inputs.family, inputs.windows, report.plan, progress, inputs.device, inputs.seed)
         report.plan, report.errors = result.plan, result.errors
         return result.model
 
     def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings,
                          report: SurgeryReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:
-        from attnsurg.methods.compress_stream import compress_streamed
+        from attnsurg.methods.compress_layers import compress_streamed
 
         written, report.errors = compress_streamed(
             reader, source_config, inputs.family, inputs.windows, report.plan, target.directory, target.dtype,

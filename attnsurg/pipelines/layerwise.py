@@ -1,8 +1,9 @@
-"""The streamed surgery's layer loop, one for every method: each decoder layer read alone from the checkpoint
-(``io.lazy``), observed on the calibration windows' residual stream carried from the embeddings through the
-source layers before it, operated on by the method, and written straight into the output shards
-(``io.shards``) before the next layer is read. Memory holds one source layer, the stream (and whatever the
-method carries) and at most one shard of finished tensors.
+"""The surgery's layer loop, one for every method, in two runs. Streamed (``write_layerwise``): each decoder
+layer read alone from the checkpoint (``io.lazy``), observed on the calibration windows' residual stream carried
+from the embeddings through the source layers before it, operated on by the method, and written straight into
+the output shards (``io.shards``) before the next layer is read; memory holds one source layer, the stream (and
+whatever the method carries) and at most one shard of finished tensors. Loaded (``operate_loaded``): the same
+loop over a model in memory, each layer's tensors returned for the method to assemble.
 
 A method takes part through a ``LayerOperator``: what it observes of each layer, what it makes of one layer,
 and what it carries from layer to layer (saved with every checkpoint, so a run resumes after any layer)."""
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import InputStatistics, streamed_layers
@@ -88,6 +89,30 @@ def write_layerwise(reader: CheckpointReader, config: PretrainedConfig, family: 
                 progress(note=operator.note(tensors))
         writer.finish()
     return records
+
+
+@torch.no_grad()
+def operate_loaded(model: PreTrainedModel, family: Family, windows: torch.Tensor, operator: LayerOperator,
+                   progress: Callable | None = None, device: torch.device | None = None) -> list[LayerTensors]:
+    """The layerwise run over ``model`` in memory (float32 on the CPU; ``device``: where each layer's pass and the
+    stream run): ``write_layerwise``'s loop with each layer taken from the model; returns every layer's tensors."""
+    stream = embedded_windows(model, windows)
+    operator.begin(StreamStart(0, stream, {}, []))
+    layers, inputs = [], stream
+    for index, layer, statistics, advanced in streamed_layers(None, model.config, family, stream, operator.hooked, device,
+                                                              received=operator.received, starts=operator.starts,
+                                                              layers=model.get_submodule(family.layers_path)):
+        layers.append(operator.operate(index, layer, statistics, inputs))
+        inputs = advanced
+        if progress:
+            progress(note=operator.note(layers[-1]))
+    return layers
+
+
+def embedded_windows(model: PreTrainedModel, windows: torch.Tensor) -> torch.Tensor:
+    """The first decoder layer's input on every window, float32 on the CPU (the family's embedding scale
+    included: the model's embedding module applies it)."""
+    return model.get_input_embeddings()(windows.to(model.device)).float().cpu()
 
 
 def write_layer(writer: ShardWriter, prefix: str, layer: torch.nn.Module, tensors: LayerTensors) -> None:

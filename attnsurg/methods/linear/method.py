@@ -14,9 +14,10 @@ from attnsurg.errors import UserError
 from attnsurg.methods import MethodSpec, register
 from attnsurg.methods.base import CardText, Progress, StreamTarget, SurgeryInputs, SurgeryMethod, SurgeryReport, register_method
 from attnsurg.methods.factorized import assemble_factorized
+from attnsurg.methods.linear.operator import LinearOperator
 from attnsurg.methods.linear.stream import linear_streamed
-from attnsurg.methods.linear.transfer import HybridShape, LayerTransfer, Transfer, TransferError
-from attnsurg.placement import on_device
+from attnsurg.methods.linear.transfer import HybridShape, Transfer, TransferError
+from attnsurg.pipelines.layerwise import operate_loaded
 from attnsurg.methods.linear.settings import (  # noqa: F401  (the settings, with the method)
     LINEAR_CALIBRATION, LINEAR_CALIBRATION_TOKENS, NAME, SINKS, TRANSFER_STEPS, LinearSettings,
 )
@@ -114,10 +115,6 @@ def feature_map_text(plan: LinearPlan) -> str:
     return f"Hedgehog feature maps of 2 x {plan.feature_dim}{qualifiers}"
 
 
-def feature_names(family, index: int) -> str:
-    return f"{family.layers_path}.{index}.{family.attention_attr}."
-
-
 class Linear(SurgeryMethod):
     names = (NAME,)
     settings = LinearSettings
@@ -154,22 +151,13 @@ class Linear(SurgeryMethod):
 
     def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings: LinearSettings,
                       report: LinearReport, progress: Progress = None) -> PreTrainedModel:
-        family, plan, device = inputs.family, report.plan, inputs.device or torch.device("cpu")
-        with torch.no_grad():
-            stream = source.get_input_embeddings()(inputs.windows.to(source.device)).float().to(device)
-        rotary = source.get_submodule(family.rotary_path).to(device)
-        fitter = LayerTransfer(family, rotary, stream)
-        added = {}
-        for index, layer in enumerate(source.get_submodule(family.layers_path)):
-            with on_device(layer, device):
-                tensors, errors = fitter.fit(layer, source.config, index, plan.shape, self.transfer_of(settings),
-                                             held_out_windows(len(inputs.windows)), inputs.seed)
-            added.update({feature_names(family, index) + name: t.cpu() for name, t in tensors.items()})
-            report.layer_errors.append(errors)
-            if progress:
-                progress(note=f"layer error {errors.before:.3f} -> {errors.after:.3f}")
-        rotary.to("cpu")
-        return assemble_factorized(source, plan.surgery(), {}, added=added)
+        operator = LinearOperator(report.plan, inputs.family, source.config, self.transfer_of(settings),
+                                  held_out_windows(len(inputs.windows)), source.dtype,
+                                  inputs.device or torch.device("cpu"), inputs.seed)
+        layers = operate_loaded(source, inputs.family, inputs.windows, operator, progress, inputs.device)
+        report.layer_errors = [record for layer in layers for record in layer.records]
+        added = {name: tensor for layer in layers for name, tensor in layer.added.items()}
+        return assemble_factorized(source, report.plan.surgery(), {}, added=added)
 
     def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings: LinearSettings,
                          report: LinearReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:

@@ -10,12 +10,12 @@ import torch
 from transformers import PretrainedConfig
 
 from attnsurg.arch.families import Family
-from attnsurg.io.lazy import CheckpointReader, rotary_embedding
-from attnsurg.io.resume import LayerCheckpoints, StreamStart
+from attnsurg.io.lazy import CheckpointReader
+from attnsurg.io.resume import LayerCheckpoints
 from attnsurg.io.shards import planned_tensors
-from attnsurg.methods.base import LayerTensors
-from attnsurg.methods.compress_stream import written_config
-from attnsurg.methods.linear.transfer import LayerTransfer, Transfer, TransferError
+from attnsurg.methods.compress_layers import written_config
+from attnsurg.methods.linear.operator import LinearOperator
+from attnsurg.methods.linear.transfer import Transfer, TransferError
 from attnsurg.modeling.modeling_attnsurg import CLASSES
 from attnsurg.pipelines.layerwise import LayerwiseTarget, write_layerwise
 
@@ -36,36 +36,3 @@ def linear_streamed(
                              max_shard_size, checkpoints)
     records = write_layerwise(reader, source_config, family, windows, operator, target, progress, device)
     return config, [TransferError(*record) for record in records]
-
-
-class LinearOperator:
-    """The hybrid's part in the layerwise run: each layer's feature maps trained to reproduce its softmax
-    attention on the stream entering it (``LayerTransfer``); it carries nothing but the source's stream."""
-
-    hooked, received, starts = (), (), None
-
-    def __init__(self, plan, family: Family, source_config: PretrainedConfig, transfer: Transfer, held_out: int,
-                 dtype: torch.dtype, device: torch.device, seed: int = 0):
-        self.plan, self.family, self.source_config, self.transfer = plan, family, source_config, transfer
-        self.held_out, self.dtype, self.device, self.seed = held_out, dtype, device, seed
-        self.rotary = rotary_embedding(source_config).to(device)
-
-    def begin(self, start: StreamStart) -> None:
-        pass
-
-    def operate(self, index: int, layer: torch.nn.Module, statistics: list, inputs: torch.Tensor) -> LayerTensors:
-        fitter = LayerTransfer(self.family, self.rotary, inputs.to(self.device))
-        layer = layer.to(self.device)
-        x, target = fitter.layer_io(layer)
-        features, error = fitter.fitted(layer, x, target, self.source_config, index, self.plan.shape, self.transfer,
-                                        self.held_out, self.seed)
-        layer.to("cpu")
-        prefix = f"{self.family.layers_path}.{index}.{self.family.attention_attr}."
-        return LayerTensors(added={prefix + name: tensor.cpu().to(self.dtype) for name, tensor in features.items()},
-                            records=[error])
-
-    def carried(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def note(self, tensors: LayerTensors) -> str:
-        return f"layer error {tensors.records[-1].before:.3f} -> {tensors.records[-1].after:.3f}"

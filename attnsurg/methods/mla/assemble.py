@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PretrainedConfig, PreTrainedModel
@@ -12,6 +13,9 @@ from attnsurg.arch.families import Family
 from attnsurg.methods.factorized import load_complete_state
 from attnsurg.methods.mla.fit import NORM_CONSTANT, MLAWeights, rope_frequencies
 from attnsurg.methods.mla.plan import MLAPlan
+
+if TYPE_CHECKING:
+    from attnsurg.methods.base import LayerTensors
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -141,16 +145,16 @@ def padded_heads(w: MLAWeights, o_weight: torch.Tensor, plan: MLAPlan) -> tuple[
 
 
 @torch.no_grad()
-def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: list[MLAWeights]) -> DeepseekV3ForCausalLM:
-    """A DeepseekV3 model with the source's embeddings, norms and MLPs and the converted attention."""
+def assemble(source: PreTrainedModel, family: Family, plan: MLAPlan, layers: list[LayerTensors]) -> DeepseekV3ForCausalLM:
+    """A DeepseekV3 model with the source's embeddings, norms and MLPs and each layer's converted attention
+    (``LayerTensors.replaced``, as the layerwise run made it)."""
     config = deepseek_config(source, plan, source.get_submodule(family.rotary_path).inv_freq)
     model = DeepseekV3ForCausalLM(config).to(source.dtype)
     attention_prefix = f".{family.attention_attr}."
     state = {k: v for k, v in source.state_dict().items() if attention_prefix not in k}
     if not config.tie_word_embeddings:
         state["lm_head.weight"] = source.get_output_embeddings().weight
-    for index, w in enumerate(layers):
-        prefix = f"{family.layers_path}.{index}.{family.attention_attr}."
-        w, o_weight = padded_heads(w, source.get_submodule(prefix + "o_proj").weight.double(), plan)
-        state.update({prefix + k: v for k, v in attention_state(w, o_weight, plan.query_route).items()})
+    for layer in layers:
+        for path, tensors in layer.replaced.items():
+            state.update({f"{path}.{name}": tensor for name, tensor in tensors.items()})
     return load_complete_state(model, state, source.dtype)

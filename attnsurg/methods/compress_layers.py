@@ -1,11 +1,10 @@
-"""Every compress method one decoder layer at a time, for models larger than memory.
+"""Every compress method in the layerwise run (``pipelines.layerwise``), streamed or loaded.
 
-The same surgery as the loaded ``compress``: each decoder layer is read from the checkpoint in float32
-(``io.lazy``), its attention-input and o_proj-input statistics come from the calibration windows' residual
-stream carried from the embeddings through the original layers before it (what one hooked pass of the loaded
-model gives), and its new tensors are computed in float64 and written straight to the output shards
-(``io.shards``) with the rest of the layer in the output dtype. Memory holds one source layer, the stream and
-at most one shard of finished tensors.
+Each decoder layer's attention-input and o_proj-input statistics come from the calibration windows' residual
+stream carried from the embeddings through the original layers before it, its new tensors are computed in
+float64 (``CompressMethod.operate_layer``) and, streamed, written straight to the output shards (``io.shards``)
+with the rest of the layer in the output dtype (memory holds one source layer, the stream and at most one
+shard of finished tensors), or, loaded, assembled into the model in memory.
 
 Per method: svd, asvd, svdllm factorize each unit at its rank (``--allocate`` needs every layer's spectrum
 before the first rank is chosen: a first pass over the layers, ``surveys``, collects them); tucker and cp decompose each projection's head tensor (at a
@@ -20,18 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import embedded, streamed_layers
 from attnsurg.io.lazy import CheckpointReader, rotary_embedding
 from attnsurg.io.resume import LayerCheckpoints, StreamStart
 from attnsurg.io.shards import planned_tensors
-from attnsurg.methods.base import LayerTensors, method_of
+from attnsurg.methods.base import LayerTensors, Operated, method_of
 from attnsurg.methods.consumers import LayerContext, layer_inv_freq
-from attnsurg.methods.factorized import attnsurg_config
+from attnsurg.methods.factorized import assemble_factorized, attnsurg_config
 from attnsurg.modeling.modeling_attnsurg import CLASSES
-from attnsurg.pipelines.layerwise import LayerwiseTarget, write_layerwise
+from attnsurg.pipelines.layerwise import LayerwiseTarget, embedded_windows, operate_loaded, write_layerwise
 
 Plan = Any  # a compress method's plan; ``method_of(plan)`` finds the method again
 
@@ -104,6 +103,23 @@ class CompressOperator:
         return ""
 
 
+@torch.no_grad()
+def compress_loaded(model: PreTrainedModel, family: Family, windows: torch.Tensor, plan: Plan, progress=None,
+                    device: torch.device | None = None, seed: int = 0) -> Operated:
+    """The same surgery on a model held in memory (float32 on the CPU), assembled there."""
+    method = method_of(plan)
+    if method.needs_survey(plan):
+        method.surveyed(plan, surveys(None, model.config, family, windows, plan, device, model))
+    operator = CompressOperator(plan, family, model.config, windows.shape[1], seed)
+    layers = operate_loaded(model, family, windows, operator, progress, device)
+    records = [record for layer in layers for record in layer.records]
+    method.warn_capped(plan, operator.unconverged, operator.operated)
+    errors = method.apply_records(plan, records)
+    replaced = {path: state for layer in layers for path, state in layer.replaced.items()}
+    added = {name: tensor for layer in layers for name, tensor in layer.added.items()}
+    return Operated(assemble_factorized(model, method.surgery(plan, family), replaced, added), plan, errors)
+
+
 def hooked(family: Family) -> tuple[str, str]:
     """The submodules whose inputs a compress method's statistics are of: the attention and its o_proj."""
     return family.attention_attr, f"{family.attention_attr}.{family.o_proj}"
@@ -116,17 +132,21 @@ def layer_context(layer, x, o, inv_freq: torch.Tensor, source_config: Pretrained
 
 
 @torch.no_grad()
-def surveys(reader: CheckpointReader, source_config: PretrainedConfig, family: Family, windows: torch.Tensor, plan: Plan,
-            device: torch.device | None = None) -> list:
+def surveys(reader: CheckpointReader | None, source_config: PretrainedConfig, family: Family, windows: torch.Tensor,
+            plan: Plan, device: torch.device | None = None, model: PreTrainedModel | None = None) -> list:
     """A first pass over every layer, one in memory at a time, for a plan that needs every layer seen before it
-    operates on any (``CompressMethod.needs_survey``): each layer's ``survey_layer``."""
+    operates on any (``CompressMethod.needs_survey``): each layer's ``survey_layer``. The layers are read from
+    ``reader``, or taken from ``model`` in memory."""
     method = method_of(plan)
     rotary = rotary_embedding(source_config)
+    if model is None:
+        stream, layers = embedded(reader, source_config, family, windows), None
+    else:
+        stream, layers = embedded_windows(model, windows), model.get_submodule(family.layers_path)
     return [method.survey_layer(plan, index, layer_context(layer, x, o, layer_inv_freq(rotary, source_config, index),
                                                            source_config, family, windows.shape[1]))
-            for index, layer, (x, o), _ in streamed_layers(reader, source_config, family,
-                                                          embedded(reader, source_config, family, windows), hooked(family),
-                                                          device)]
+            for index, layer, (x, o), _ in streamed_layers(reader, source_config, family, stream, hooked(family), device,
+                                                          layers=layers)]
 
 
 def written_config(source_config: PretrainedConfig, surgery: dict, dtype: torch.dtype) -> PretrainedConfig:

@@ -355,3 +355,41 @@ def test_heal_trains_the_converted_attention_and_lowers_perplexity(tiny_checkpoi
     attention = healed.model.layers[0].self_attn
     assert isinstance(attention, modeling_attnsurg.HybridLinearAttention)
     assert not torch.equal(attention.feature_q, before.model.layers[0].self_attn.feature_q)
+
+
+def test_full_layers_keep_softmax_attention_and_every_layer_full_reproduces_the_logits():
+    model = build_tiny("llama", VOCAB, num_key_value_heads=2)
+    layers = len(model.model.layers)
+    every, report = converted(model, "llama", window=8, transfer_steps=5, full_layers=tuple(range(layers)))
+    assert logit_error(every, model, held_out()) < 1e-4 and report.layer_errors == []
+    one, report = converted(model, "llama", window=8, transfer_steps=5, full_layers=(1,))
+    assert not isinstance(one.model.layers[1].self_attn, modeling_attnsurg.HybridLinearAttention)
+    assert isinstance(one.model.layers[0].self_attn, modeling_attnsurg.HybridLinearAttention)
+    assert len(report.layer_errors) == layers - 1 and logit_error(one, model, held_out()) > 1e-3
+    plan = report.plan  # the full layer's cache grows with the context, the hybrid ones' stop at the window
+    assert plan.cache_values(1000) - plan.cache_values(500) == plan.original_values(500)
+    assert inspect_config(one.config).cache_values(1000) == plan.cache_values(1000)
+
+
+def test_full_layers_stream_to_the_checkpoint_a_whole_load_writes(tiny_checkpoints, corpus_file, tmp_path):
+    from safetensors.torch import load_file
+
+    common = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "8", "--transfer-steps", "5",
+              "--full-layers", "1", "--calib-text", str(corpus_file), "--calib-tokens", "768", "--calib-seq-len", "64",
+              "--eval-domains", "none", "--json"]
+    for mode in ("--stream", "--no-stream"):
+        result = CliRunner().invoke(app, [*common, mode, "-o", str(tmp_path / mode)])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["plan"]["full_layers"] == [1]
+    streamed, loaded = (load_file(tmp_path / mode / "model.safetensors") for mode in ("--stream", "--no-stream"))
+    assert streamed.keys() == loaded.keys() and not any(".layers.1.self_attn.feature" in k for k in loaded)
+    assert any(".layers.0.self_attn.feature" in k for k in loaded)
+    assert all(torch.allclose(streamed[k], loaded[k], atol=1e-5) for k in loaded)
+    reloaded = load_model(resolve_source(str(tmp_path / "--stream")))
+    assert not isinstance(reloaded.model.layers[1].self_attn, modeling_attnsurg.HybridLinearAttention)
+
+
+def test_a_full_layer_the_model_lacks_is_one_line(tiny_checkpoints, tmp_path):
+    result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear",
+                                      "--full-layers", "1,7", "-o", str(tmp_path / "x")])
+    assert result.exit_code == 2 and result.output == "error: --full-layers 7: the model has layers 0-1\n"

@@ -67,8 +67,10 @@ class AttentionAnatomy:
         """Values the cache holds at ``context`` tokens, all layers."""
         linear = self.surgery.get("linear")
         if linear:
-            return self.num_layers * linear_cache_values(self.num_kv_heads, self.head_dim, int(linear["window"]),
-                                                         int(linear["feature_dim"]), context, int(linear.get("sinks", 0)))
+            full = len(linear.get("full_layers", ()))
+            hybrid = linear_cache_values(self.num_kv_heads, self.head_dim, int(linear["window"]),
+                                         int(linear["feature_dim"]), context, int(linear.get("sinks", 0)))
+            return (self.num_layers - full) * hybrid + full * self.kv_values_per_layer * context
         return self.kv_values_per_token * context
 
     def to_dict(self) -> dict[str, Any]:

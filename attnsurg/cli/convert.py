@@ -52,10 +52,12 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
     "refine_schedule": "--refine-schedule", "short_prompts": "--short-prompts", "stream": "--stream/--no-stream",
     "window": "--window", "sinks": "--sinks", "feature_map": "--feature-map", "feature_dim": "--feature-dim", "transfer_steps": "--transfer-steps",
     "transfer_lr": "--transfer-lr", "decay": "--decay/--no-decay", "features_before_rope": "--features-before-rope/--features-after-rope",
+    "full_layers": "--full-layers",
 }
 # Hidden from --help so it fits one screen (docs/mla.md and docs/linear.md describe them): --weighted,
 # --token-weights and --refine-schedule, measured no better than their defaults on either real model, and
-# --transfer-lr, --sinks, --feature-map (performer: the data-free baseline), --decay and --features-before-rope.
+# --transfer-lr, --sinks, --feature-map (performer: the data-free baseline), --decay, --features-before-rope and
+# --full-layers.
 
 
 @app.command(epilog=examples(
@@ -153,6 +155,8 @@ def convert(
     features_before_rope: Annotated[Optional[bool], typer.Option("--features-before-rope/--features-after-rope",
                                                        help="Feature maps read q, k before RoPE (no position).",
                                                        hidden=True)] = LINEAR.features_before_rope,
+    full_layers: Annotated[Optional[str], typer.Option("--full-layers", help="Layers that keep softmax attention over the whole context (e.g. 3,7).",
+                                                       hidden=True)] = None,
     eval_tokens: EvalTokens = Evaluation().tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     eval_long: EvalLong = 0,

@@ -120,6 +120,8 @@ def surgery_cell(surgery: dict) -> str:
         lines.append(f"softmax over the last {linear['window']} keys and the first {linear.get('sinks', 0)}, "
                      f"{linear.get('feature_map', 'hedgehog')} feature maps 2 x {linear['feature_dim']} beyond; "
                      "the cache stops growing past the window")
+        if full := linear.get("full_layers"):
+            lines.append(f"layers {','.join(map(str, full))} keep softmax attention over the whole context")
     return "\n".join(lines)
 
 

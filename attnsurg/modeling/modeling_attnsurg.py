@@ -959,7 +959,10 @@ def apply_surgery(model: nn.Module, surgery: dict) -> None:
                                             int(rank), loki["top_k"])
     linear = surgery.get("linear")
     if linear:
+        full = {int(index) for index in linear.get("full_layers", ())}  # softmax over the whole context, unchanged
         for index, layer in enumerate(layers):
+            if index in full:
+                continue
             old = layer.self_attn
             layer.self_attn = HybridLinearAttention(model.config, index, old.q_proj, old.k_proj, old.v_proj, old.o_proj,
                                                     int(linear["window"]), int(linear["feature_dim"]),

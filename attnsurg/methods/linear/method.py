@@ -52,6 +52,11 @@ class LinearPlan:
     feature_map: str = "hedgehog"
     decay: bool = False
     features_before_rope: bool = False
+    full_layers: tuple[int, ...] = ()  # layers left as the source's softmax attention over the whole context
+
+    @property
+    def hybrid_layers(self) -> int:
+        return self.num_layers - len(self.full_layers)
 
     @property
     def shape(self) -> HybridShape:
@@ -59,10 +64,26 @@ class LinearPlan:
                            self.features_before_rope)
 
     def surgery(self) -> dict:
-        return {"format": 1, "method": NAME, "linear": {"window": self.window, "feature_dim": self.feature_dim,
-                                                        "sinks": self.sinks, "feature_map": self.feature_map,
-                                                        "decay": self.decay,
-                                                        "features_before_rope": self.features_before_rope}}
+        linear = {"window": self.window, "feature_dim": self.feature_dim, "sinks": self.sinks,
+                  "feature_map": self.feature_map, "decay": self.decay, "features_before_rope": self.features_before_rope}
+        if self.full_layers:
+            linear["full_layers"] = list(self.full_layers)
+        return {"format": 1, "method": NAME, "linear": linear}
+
+    def cache_values(self, context: int) -> int:
+        """Cached values at ``context`` tokens, all layers: the hybrid layers' fixed-size caches and the full
+        layers' growing ones."""
+        return self.hybrid_layers * self.state_values(context) + len(self.full_layers) * self.original_values(context)
+
+    def cache_ratio(self, context: int) -> float:
+        """The cache at ``context`` tokens against the original's, all layers."""
+        return self.cache_values(context) / (self.num_layers * self.original_values(context))
+
+    def full_text(self) -> str:
+        """What the plan keeps of softmax attention over the whole context, or nothing."""
+        if not self.full_layers:
+            return ""
+        return f"; layers {','.join(map(str, self.full_layers))} keep softmax attention over the whole context"
 
     def state_values(self, context: int) -> int:
         """Cached values per layer at ``context`` tokens: the window's and the sinks' keys and values, the
@@ -82,9 +103,11 @@ class LinearPlan:
 def plan_linear(anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPlan:
     if reason := unsupported_reason(anatomy):
         raise UserError(f"cannot convert this model to linear attention: {reason}")
+    if outside := [i for i in settings.full_layers if not 0 <= i < anatomy.num_layers]:
+        raise UserError(f"--full-layers {','.join(map(str, outside))}: the model has layers 0-{anatomy.num_layers - 1}")
     return LinearPlan(settings.window, settings.feature_dim or anatomy.head_dim, anatomy.num_layers,
                       anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks, settings.feature_map,
-                      settings.decays, settings.reads_before_rope)
+                      settings.decays, settings.reads_before_rope, tuple(sorted(set(settings.full_layers))))
 
 
 @dataclass
@@ -113,6 +136,17 @@ def feature_map_text(plan: LinearPlan) -> str:
     if plan.feature_map == "performer":
         return f"Performer random features (FAVOR+, orthogonal) of 2 x {plan.feature_dim}{qualifiers}"
     return f"Hedgehog feature maps of 2 x {plan.feature_dim}{qualifiers}"
+
+
+def cache_figure(plan: LinearPlan) -> dict[str, str]:
+    """The card's cache row: per layer where every layer is hybrid, else over all layers."""
+    if not plan.full_layers:
+        return {"metric": f"cached values per layer at {STATE_CONTEXT} tokens",
+                "before": f"{plan.original_values(STATE_CONTEXT):,}",
+                "after": f"{plan.state_values(STATE_CONTEXT):,} (x{plan.cache_ratio(STATE_CONTEXT):.3f})"}
+    return {"metric": f"cached values at {STATE_CONTEXT} tokens, all layers",
+            "before": f"{plan.num_layers * plan.original_values(STATE_CONTEXT):,}",
+            "after": f"{plan.cache_values(STATE_CONTEXT):,} (x{plan.cache_ratio(STATE_CONTEXT):.3f})"}
 
 
 class Linear(SurgeryMethod):
@@ -170,11 +204,10 @@ class Linear(SurgeryMethod):
     def card_text(self, settings: LinearSettings, report: LinearReport, calibration: Calibration,
                   healing: str) -> CardText:
         plan = report.plan
-        ratio = plan.state_values(STATE_CONTEXT) / plan.original_values(STATE_CONTEXT)
         errors = report.mean_errors()
         details = [
             f"exact softmax attention over the last {plan.window} keys and the first {plan.sinks} (attention "
-            f"sinks); {feature_map_text(plan)} per head for every other older key",
+            f"sinks); {feature_map_text(plan)} per head for every other older key{plan.full_text()}",
             f"attention transfer: {settings.steps} Adam steps per layer at {settings.transfer_lr:g}, one "
             f"calibration window each, early-stopped on {held_out_windows(calibration.tokens // calibration.seq_len)} "
             f"held-out windows; calibration: {calibration.tokens} tokens of the calibration part of "
@@ -190,9 +223,7 @@ class Linear(SurgeryMethod):
                      "the context (LoLCATs, Zhang et al. 2024). The source's projections are unchanged."),
             tags=["linear-attention", "lolcats", plan.feature_map],
             details=details,
-            figures=[{"metric": f"cached values per layer at {STATE_CONTEXT} tokens",
-                      "before": f"{plan.original_values(STATE_CONTEXT):,}",
-                      "after": f"{plan.state_values(STATE_CONTEXT):,} (x{ratio:.3f})"}],
+            figures=[cache_figure(plan)],
         )
 
     def report_record(self, report: LinearReport) -> dict:
@@ -200,18 +231,19 @@ class Linear(SurgeryMethod):
         return {"plan": {"window": plan.window, "feature_dim": plan.feature_dim, "sinks": plan.sinks,
                          "feature_map": plan.feature_map, "decay": plan.decay,
                          "features_before_rope": plan.features_before_rope,
+                         "full_layers": list(plan.full_layers),
                          "state_values_per_layer": plan.state_values(STATE_CONTEXT),
                          "original_values_per_layer": plan.original_values(STATE_CONTEXT),
+                         "cache_values": plan.cache_values(STATE_CONTEXT),
                          "context": STATE_CONTEXT, "added_parameters_per_layer": plan.added_parameters()},
                 "layer_errors": [e._asdict() for e in report.layer_errors]}
 
     def report_text(self, model: str, report: LinearReport, dry_run: bool) -> list:
         plan = report.plan
-        ratio = plan.state_values(STATE_CONTEXT) / plan.original_values(STATE_CONTEXT)
         return [f"linear plan for {model}: softmax over the last {plan.window} keys and the first {plan.sinks}, "
-                f"{feature_map_text(plan)} per head beyond; cache at {STATE_CONTEXT} tokens x{ratio:.3f} of the original's "
-                f"({plan.state_values(STATE_CONTEXT):,} values per layer), {plan.added_parameters():,} parameters added "
-                "per layer"]
+                f"{feature_map_text(plan)} per head beyond{plan.full_text()}; cache at {STATE_CONTEXT} tokens "
+                f"x{plan.cache_ratio(STATE_CONTEXT):.3f} of the original's ({plan.state_values(STATE_CONTEXT):,} values "
+                f"per hybrid layer), {plan.added_parameters():,} parameters added per hybrid layer"]
 
     def result_text(self, report: LinearReport) -> list:
         errors = report.mean_errors()

@@ -29,6 +29,8 @@ class LinearOperator:
         pass
 
     def operate(self, index: int, layer: torch.nn.Module, statistics: list, inputs: torch.Tensor) -> LayerTensors:
+        if index in self.plan.full_layers:
+            return LayerTensors()  # the source's attention, unchanged
         fitter = LayerTransfer(self.family, self.rotary, inputs.to(self.device))
         with on_device(layer, self.device):
             x, target = fitter.layer_io(layer)
@@ -42,4 +44,6 @@ class LinearOperator:
         return {}
 
     def note(self, tensors: LayerTensors) -> str:
+        if not tensors.records:
+            return "softmax attention kept"
         return f"layer error {tensors.records[-1].before:.3f} -> {tensors.records[-1].after:.3f}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from attnsurg.recipe import ConvertSettings
 from attnsurg.requests import COMMAND_CALIBRATION
@@ -32,6 +32,15 @@ class LinearSettings(ConvertSettings):
     transfer_lr: float = Field(1e-2, gt=0)
     decay: bool | None = None  # None: with Hedgehog's maps (see ``decays``)
     features_before_rope: bool | None = None  # None: with Hedgehog's maps (see ``reads_before_rope``)
+    full_layers: tuple[int, ...] = ()  # layers that keep softmax attention over the whole context
+
+    @field_validator("full_layers", mode="before")
+    @classmethod
+    def comma_separated(cls, value):
+        """The command line gives the layers as one string, "3,7,11"."""
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
 
     @property
     def steps(self) -> int:

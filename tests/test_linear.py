@@ -393,3 +393,10 @@ def test_a_full_layer_the_model_lacks_is_one_line(tiny_checkpoints, tmp_path):
     result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear",
                                       "--full-layers", "1,7", "-o", str(tmp_path / "x")])
     assert result.exit_code == 2 and result.output == "error: --full-layers 7: the model has layers 0-1\n"
+
+
+def test_full_layers_that_are_not_indices_are_one_line(tiny_checkpoints, tmp_path):
+    result = CliRunner().invoke(app, ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear",
+                                      "--full-layers", "a,b", "-o", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    assert result.output == "error: --full-layers: layer indices separated by commas, e.g. 3,7; got 'a,b'\n"

@@ -52,12 +52,12 @@ SETTINGS_OPTIONS = {  # parameter -> its flag, for every option a target's setti
     "refine_schedule": "--refine-schedule", "short_prompts": "--short-prompts", "stream": "--stream/--no-stream",
     "window": "--window", "sinks": "--sinks", "feature_map": "--feature-map", "feature_dim": "--feature-dim", "transfer_steps": "--transfer-steps",
     "transfer_lr": "--transfer-lr", "decay": "--decay/--no-decay", "features_before_rope": "--features-before-rope/--features-after-rope",
-    "full_layers": "--full-layers",
+    "full_layers": "--full-layers", "retrieval_layers": "--retrieval-layers",
 }
 # Hidden from --help so it fits one screen (docs/mla.md and docs/linear.md describe them): --weighted,
 # --token-weights and --refine-schedule, measured no better than their defaults on either real model, and
-# --transfer-lr, --sinks, --feature-map (performer: the data-free baseline), --decay, --features-before-rope and
-# --full-layers.
+# --transfer-lr, --sinks, --feature-map (performer: the data-free baseline), --decay, --features-before-rope,
+# --full-layers and --retrieval-layers.
 
 
 @app.command(epilog=examples(
@@ -157,6 +157,8 @@ def convert(
                                                        hidden=True)] = LINEAR.features_before_rope,
     full_layers: Annotated[Optional[str], typer.Option("--full-layers", help="Layers that keep softmax attention over the whole context (e.g. 3,7).",
                                                        hidden=True)] = None,
+    retrieval_layers: Annotated[int, typer.Option("--retrieval-layers", help="Layers kept as softmax attention, chosen by long-range copying.",
+                                                  hidden=True)] = LINEAR.retrieval_layers,
     eval_tokens: EvalTokens = Evaluation().tokens,
     eval_domains: EvalDomains = DEFAULT_EVAL_DOMAINS,
     eval_long: EvalLong = 0,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -15,6 +15,7 @@ from attnsurg.methods import MethodSpec, register
 from attnsurg.methods.base import CardText, Progress, StreamTarget, SurgeryInputs, SurgeryMethod, SurgeryReport, register_method
 from attnsurg.methods.factorized import assemble_factorized
 from attnsurg.methods.linear.operator import LinearOperator
+from attnsurg.methods.linear.retrieval import copying_scores, most_copying
 from attnsurg.methods.linear.stream import linear_streamed
 from attnsurg.methods.linear.transfer import HybridShape, Transfer, TransferError
 from attnsurg.pipelines.layerwise import operate_loaded
@@ -105,6 +106,8 @@ def plan_linear(anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPl
         raise UserError(f"cannot convert this model to linear attention: {reason}")
     if outside := [i for i in settings.full_layers if not 0 <= i < anatomy.num_layers]:
         raise UserError(f"--full-layers {','.join(map(str, outside))}: the model has layers 0-{anatomy.num_layers - 1}")
+    if settings.retrieval_layers > anatomy.num_layers:
+        raise UserError(f"--retrieval-layers {settings.retrieval_layers}: the model has {anatomy.num_layers} layers")
     return LinearPlan(settings.window, settings.feature_dim or anatomy.head_dim, anatomy.num_layers,
                       anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks, settings.feature_map,
                       settings.decays, settings.reads_before_rope, tuple(sorted(set(settings.full_layers))))
@@ -116,6 +119,7 @@ class LinearReport(SurgeryReport):
 
     plan: LinearPlan
     layer_errors: list[TransferError] = field(default_factory=list)
+    copying: list[float] = field(default_factory=list)  # each layer's long-range copying, where measured
 
     def mean_errors(self) -> dict[str, float | None]:
         def mean(values: list) -> float | None:
@@ -136,6 +140,15 @@ def feature_map_text(plan: LinearPlan) -> str:
     if plan.feature_map == "performer":
         return f"Performer random features (FAVOR+, orthogonal) of 2 x {plan.feature_dim}{qualifiers}"
     return f"Hedgehog feature maps of 2 x {plan.feature_dim}{qualifiers}"
+
+
+def copying_line(report: LinearReport) -> str:
+    """Which layers measurement kept as softmax attention, their long-range copying and the best one converted."""
+    kept = report.plan.full_layers
+    scores = ", ".join(f"{index}: {report.copying[index]:.2f}" for index in kept)
+    converted = [score for index, score in enumerate(report.copying) if index not in kept]
+    after = f"; the most of the converted layers: {max(converted):.2f}" if converted else ""
+    return f"softmax attention kept in the layers that copy most from far back ({scores}){after}"
 
 
 def cache_figure(plan: LinearPlan) -> dict[str, str]:
@@ -185,6 +198,9 @@ class Linear(SurgeryMethod):
 
     def operate_model(self, source: PreTrainedModel, inputs: SurgeryInputs, settings: LinearSettings,
                       report: LinearReport, progress: Progress = None) -> PreTrainedModel:
+        self.choose_full_layers(settings, report, copying_scores(None, source.config, inputs.family, inputs.windows,
+                                                                 settings.window, inputs.device, inputs.seed, source)
+                                if settings.retrieval_layers else None)
         operator = LinearOperator(report.plan, inputs.family, source.config, self.transfer_of(settings),
                                   held_out_windows(len(inputs.windows)), source.dtype,
                                   inputs.device or torch.device("cpu"), inputs.seed)
@@ -195,11 +211,20 @@ class Linear(SurgeryMethod):
 
     def operate_streamed(self, reader, source_config: PretrainedConfig, inputs: SurgeryInputs, settings: LinearSettings,
                          report: LinearReport, target: StreamTarget, progress: Progress = None) -> PretrainedConfig:
+        self.choose_full_layers(settings, report, copying_scores(reader, source_config, inputs.family, inputs.windows,
+                                                                 settings.window, inputs.device, inputs.seed)
+                                if settings.retrieval_layers else None)
         written, report.layer_errors = linear_streamed(
             reader, source_config, inputs.family, inputs.windows, report.plan, self.transfer_of(settings),
             held_out_windows(len(inputs.windows)), target.directory, target.dtype, target.max_shard_size, progress,
             inputs.device, target.checkpoints, inputs.seed)
         return written
+
+    def choose_full_layers(self, settings: LinearSettings, report: LinearReport, copying: list[float] | None) -> None:
+        """With ``--retrieval-layers N``, the N layers that copy most from far back keep softmax attention."""
+        if copying is not None:
+            report.copying = copying
+            report.plan = replace(report.plan, full_layers=most_copying(copying, settings.retrieval_layers))
 
     def card_text(self, settings: LinearSettings, report: LinearReport, calibration: Calibration,
                   healing: str) -> CardText:
@@ -231,7 +256,7 @@ class Linear(SurgeryMethod):
         return {"plan": {"window": plan.window, "feature_dim": plan.feature_dim, "sinks": plan.sinks,
                          "feature_map": plan.feature_map, "decay": plan.decay,
                          "features_before_rope": plan.features_before_rope,
-                         "full_layers": list(plan.full_layers),
+                         "full_layers": list(plan.full_layers), "copying": report.copying,
                          "state_values_per_layer": plan.state_values(STATE_CONTEXT),
                          "original_values_per_layer": plan.original_values(STATE_CONTEXT),
                          "cache_values": plan.cache_values(STATE_CONTEXT),
@@ -246,14 +271,15 @@ class Linear(SurgeryMethod):
                 f"per hybrid layer), {plan.added_parameters():,} parameters added per hybrid layer"]
 
     def result_text(self, report: LinearReport) -> list:
+        lines = [copying_line(report)] if report.copying else []
         errors = report.mean_errors()
         if errors["before"] is None:
-            return []
+            return lines
         line = f"mean relative layer error against softmax attention: {errors['before']:.4f} -> {errors['after']:.4f}"
         if errors["held_after"] is not None:
             line += (f"; held out {errors['held_before']:.4f} -> {errors['held_after']:.4f} (steps kept per layer: "
                      f"{errors['steps']:.0f} on average)")
-        return [line]
+        return [*lines, line]
 
     def extra_files(self) -> dict[str, str]:
         from attnsurg.modeling import MODELING_FILE

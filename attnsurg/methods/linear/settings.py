@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from attnsurg.recipe import ConvertSettings
 from attnsurg.requests import COMMAND_CALIBRATION
@@ -33,14 +33,25 @@ class LinearSettings(ConvertSettings):
     decay: bool | None = None  # None: with Hedgehog's maps (see ``decays``)
     features_before_rope: bool | None = None  # None: with Hedgehog's maps (see ``reads_before_rope``)
     full_layers: tuple[int, ...] = ()  # layers that keep softmax attention over the whole context
+    retrieval_layers: int = Field(0, ge=0)  # as many, chosen by measured long-range copying (``linear.retrieval``)
 
     @field_validator("full_layers", mode="before")
     @classmethod
     def comma_separated(cls, value):
         """The command line gives the layers as one string, "3,7,11"."""
         if isinstance(value, str):
-            return tuple(part.strip() for part in value.split(",") if part.strip())
+            parts = [part.strip() for part in value.split(",") if part.strip()]
+            if not all(part.isdigit() for part in parts):
+                raise ValueError(f"layer indices separated by commas, e.g. 3,7; got {value!r}")
+            return tuple(int(part) for part in parts)
         return value
+
+    @model_validator(mode="after")
+    def one_choice_of_full_layers(self):
+        if self.full_layers and self.retrieval_layers:
+            raise ValueError("give the layers that keep softmax attention either by index (full_layers, --full-layers) "
+                             "or by count (retrieval_layers, --retrieval-layers), not both")
+        return self
 
     @property
     def steps(self) -> int:

@@ -9,7 +9,9 @@ import torch
 from typer.testing import CliRunner
 
 from attnsurg.cli import app
-from attnsurg.methods.linear.retrieval import PROBE_RUNS, PROBE_SEGMENT, copy_attention, induction_probe, most_copying
+from attnsurg.heads import attention_probabilities
+from attnsurg.methods.linear.retrieval import (PROBE_RUNS, PROBE_SEGMENT, copy_attention, induction_probe, most_copying,
+                                           second_copy_probabilities)
 
 
 def test_the_probe_repeats_a_random_segment_after_the_calibration_text():
@@ -25,13 +27,19 @@ def test_the_probe_repeats_a_random_segment_after_the_calibration_text():
 def test_a_head_that_attends_after_each_match_copies_fully_and_a_uniform_one_hardly():
     gap = 40
     length = 2 * PROBE_SEGMENT + gap
-    copying = torch.zeros(length, length)
-    for offset in range(PROBE_SEGMENT - 1):
-        copying[PROBE_SEGMENT + gap + offset, offset + 1] = 1.0
-    uniform = torch.tril(torch.ones(length, length))
+    copying = torch.zeros(PROBE_SEGMENT, length)
+    copying[torch.arange(PROBE_SEGMENT - 1), torch.arange(1, PROBE_SEGMENT)] = 1.0
+    uniform = torch.tril(torch.ones(length, length))[-PROBE_SEGMENT:]
     uniform = uniform / uniform.sum(-1, keepdim=True)
-    scores = copy_attention(torch.stack([copying, uniform]), gap)
+    scores = copy_attention(torch.stack([copying, uniform]))
     assert scores[0] == pytest.approx(1.0) and scores[1] < 0.01
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_the_second_copys_rows_are_those_of_the_whole_attention(window):
+    query, key = torch.randn(3, PROBE_SEGMENT + 90, 8), torch.randn(3, PROBE_SEGMENT + 90, 8)
+    whole = attention_probabilities(query, key, 0.3, window)
+    assert torch.allclose(second_copy_probabilities(query, key, 0.3, window), whole[:, -PROBE_SEGMENT:], atol=1e-6)
 
 
 def test_the_most_copying_layers_are_kept_in_layer_order():

@@ -17,7 +17,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from attnsurg.arch.families import Family
 from attnsurg.calibrate import embedded, streamed_layers
-from attnsurg.heads import attention_probabilities, head_projections, layer_masking, softmax_scale
+from attnsurg.heads import head_projections, layer_masking, softmax_scale
 from attnsurg.io.lazy import rotary_embedding
 
 PROBE_SEGMENT = 128  # random tokens, repeated once
@@ -38,16 +38,29 @@ def induction_probe(windows: torch.Tensor, vocab_size: int, gap: int, seed: int 
     return torch.stack(rows)
 
 
-def copy_attention(probabilities: torch.Tensor, gap: int) -> torch.Tensor:
-    """[heads]: from [heads, L, L] probabilities on a probe, each head's mean attention from the second copy's
-    tokens to the token after their match in the first copy."""
-    queries = torch.arange(PROBE_SEGMENT + gap, 2 * PROBE_SEGMENT + gap - 1)
-    keys = torch.arange(1, PROBE_SEGMENT)
-    return probabilities[:, queries, keys].mean(-1)
+def copy_attention(probabilities: torch.Tensor) -> torch.Tensor:
+    """[heads]: from the second copy's attention rows [heads, PROBE_SEGMENT, L], each head's mean attention from
+    a token to the token after its match in the first copy."""
+    offsets = torch.arange(PROBE_SEGMENT - 1)
+    return probabilities[:, offsets, offsets + 1].mean(-1)
+
+
+def second_copy_probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
+    """[heads, PROBE_SEGMENT, L]: causal softmax attention of the last PROBE_SEGMENT queries alone (post-RoPE
+    [heads, L, d], keys repeated to the query heads), so memory holds those rows and not L x L."""
+    length = query.shape[1]
+    rows = torch.arange(length - PROBE_SEGMENT, length)
+    scores = (query[:, rows] @ key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    distance = rows[:, None] - torch.arange(length)[None]
+    visible = (distance >= 0) & (distance < window if window is not None else True)
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
 
 
 @torch.no_grad()
-def layer_copying(layer: torch.nn.Module, inputs: torch.Tensor, family: Family, rope, gap: int) -> float:
+def layer_copying(layer: torch.nn.Module, inputs: torch.Tensor, family: Family, rope) -> float:
     """A decoder layer's score on the probes ([runs, L, D], the stream entering it): its best head's copying,
     averaged over the probes."""
     attention = getattr(layer, family.attention_attr)
@@ -57,7 +70,7 @@ def layer_copying(layer: torch.nn.Module, inputs: torch.Tensor, family: Family, 
     for row in x:
         _, _, _, query, key = head_projections(attention, row[None], rope)
         key = key.repeat_interleave(query.shape[0] // key.shape[0], dim=0)
-        scores.append(copy_attention(attention_probabilities(query, key, scale, **masking), gap).max())
+        scores.append(copy_attention(second_copy_probabilities(query, key, scale, **masking)).max())
     return float(torch.stack(scores).mean())
 
 
@@ -80,7 +93,7 @@ def copying_scores(reader, config: PretrainedConfig, family: Family, windows: to
     scores, inputs = [], stream
     for index, layer, _, advanced in streamed_layers(reader, config, family, stream, (), device, layers=layers):
         rope = layer_rotary(rotary, config, index)(inputs[:1].cpu(), positions)
-        scores.append(layer_copying(layer, inputs.cpu(), family, rope, gap))
+        scores.append(layer_copying(layer, inputs.cpu(), family, rope))
         inputs = advanced
     return scores
 

@@ -1,5 +1,5 @@
 """The layerwise run: every registered method, streamed from the checkpoint and operated on the loaded model,
-writes the same tensors (one loop drives both, ``pipelines.layerwise``)."""
+writes the same tensors (one loop drives both, ``methods.layerwise``)."""
 
 from __future__ import annotations
 

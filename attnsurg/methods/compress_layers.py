@@ -1,4 +1,4 @@
-"""Every compress method in the layerwise run (``pipelines.layerwise``), streamed or loaded.
+"""Every compress method in the layerwise run (``methods.layerwise``), streamed or loaded.
 
 Each decoder layer's attention-input and o_proj-input statistics come from the calibration windows' residual
 stream carried from the embeddings through the original layers before it, its new tensors are computed in
@@ -30,7 +30,7 @@ from attnsurg.methods.base import LayerTensors, Operated, method_of
 from attnsurg.methods.consumers import LayerContext, layer_inv_freq
 from attnsurg.methods.factorized import assemble_factorized, attnsurg_config
 from attnsurg.modeling.modeling_attnsurg import CLASSES
-from attnsurg.pipelines.layerwise import LayerwiseTarget, embedded_windows, operate_loaded, write_layerwise
+from attnsurg.methods.layerwise import LayerwiseTarget, embedded_windows, operate_loaded, write_layerwise
 
 Plan = Any  # a compress method's plan; ``method_of(plan)`` finds the method again
 

@@ -18,7 +18,7 @@ from attnsurg.methods.linear.operator import LinearOperator
 from attnsurg.methods.linear.retrieval import copying_scores, most_copying
 from attnsurg.methods.linear.stream import linear_streamed
 from attnsurg.methods.linear.transfer import HybridShape, Transfer, TransferError
-from attnsurg.pipelines.layerwise import operate_loaded
+from attnsurg.methods.layerwise import operate_loaded
 from attnsurg.methods.linear.settings import (  # noqa: F401  (the settings, with the method)
     LINEAR_CALIBRATION, LINEAR_CALIBRATION_TOKENS, NAME, SINKS, TRANSFER_STEPS, LinearSettings,
 )

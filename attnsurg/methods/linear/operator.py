@@ -1,4 +1,4 @@
-"""The hybrid's part in the layerwise run (``pipelines.layerwise``), loaded or streamed."""
+"""The hybrid's part in the layerwise run (``methods.layerwise``), loaded or streamed."""
 
 from __future__ import annotations
 

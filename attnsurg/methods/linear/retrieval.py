@@ -80,7 +80,7 @@ def copying_scores(reader, config: PretrainedConfig, family: Family, windows: to
     """Every layer's ``layer_copying`` on probes built from the calibration ``windows``, the layers read from
     ``reader`` one at a time or taken from ``model`` in memory."""
     from attnsurg.modeling.modeling_attnsurg import layer_rotary
-    from attnsurg.pipelines.layerwise import embedded_windows
+    from attnsurg.methods.layerwise import embedded_windows
 
     gap = PROBE_GAP_WINDOWS * window
     probe = induction_probe(windows, config.vocab_size, gap, seed)

@@ -1,4 +1,4 @@
-"""Conversion to hybrid linear attention one decoder layer at a time (``pipelines.layerwise``): each source
+"""Conversion to hybrid linear attention one decoder layer at a time (``methods.layerwise``): each source
 layer's feature maps fitted on the residual stream carried through the source layers before it, and written
 with the layer's unchanged tensors."""
 
@@ -17,7 +17,7 @@ from attnsurg.methods.compress_layers import written_config
 from attnsurg.methods.linear.operator import LinearOperator
 from attnsurg.methods.linear.transfer import Transfer, TransferError
 from attnsurg.modeling.modeling_attnsurg import CLASSES
-from attnsurg.pipelines.layerwise import LayerwiseTarget, write_layerwise
+from attnsurg.methods.layerwise import LayerwiseTarget, write_layerwise
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Converting a model held in memory: the layerwise run (``pipelines.layerwise``) of ``MLAOperator`` over its
+"""Converting a model held in memory: the layerwise run (``methods.layerwise``) of ``MLAOperator`` over its
 layers, assembled into a DeepseekV3 model."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from attnsurg.methods.mla.operator import MLAOperator
 from attnsurg.methods.mla.plan import MLAPlan
 from attnsurg.methods.mla.refine import LayerError, Refinement
 from attnsurg.methods.mla.split import SPLIT_HELD_OUT, SplitChoice, choose_split
-from attnsurg.pipelines.layerwise import operate_loaded
+from attnsurg.methods.layerwise import operate_loaded
 
 
 @dataclass

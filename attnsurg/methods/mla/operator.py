@@ -1,4 +1,4 @@
-"""MLA's part in the layerwise run (``pipelines.layerwise``), loaded or streamed: each layer's closed forms from
+"""MLA's part in the layerwise run (``methods.layerwise``), loaded or streamed: each layer's closed forms from
 its attention input's statistics, then sequential refinement, which carries the original and the converted
 residual streams of its windows from layer to layer."""
 

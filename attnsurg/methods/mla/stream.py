@@ -23,7 +23,7 @@ from attnsurg.methods.mla.assemble import deepseek_config
 from attnsurg.methods.mla.operator import MLAOperator
 from attnsurg.methods.mla.plan import MLAPlan
 from attnsurg.methods.mla.refine import LayerError, Refinement
-from attnsurg.pipelines.layerwise import LayerwiseTarget, write_layerwise
+from attnsurg.methods.layerwise import LayerwiseTarget, write_layerwise
 
 
 @torch.no_grad()

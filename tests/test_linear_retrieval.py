@@ -62,6 +62,9 @@ def test_the_command_keeps_the_layers_it_measured_streamed_or_loaded(tiny_checkp
     assert plans["--no-stream"]["copying"] == pytest.approx(copying, abs=1e-5)
     config = json.loads((tmp_path / "--stream" / "config.json").read_text())
     assert config["attnsurg"]["linear"]["full_layers"] == plans["--stream"]["full_layers"]
+    dry = CliRunner().invoke(app, [*common, "--dry-run"])  # the cache is known before the layers are chosen
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.stdout)["plan"]["cache_values"] == plans["--stream"]["cache_values"]
 
 
 def test_layers_given_both_by_index_and_by_count_are_one_line(tiny_checkpoints, tmp_path):

@@ -54,10 +54,15 @@ class LinearPlan:
     decay: bool = False
     features_before_rope: bool = False
     full_layers: tuple[int, ...] = ()  # layers left as the source's softmax attention over the whole context
+    retrieval_layers: int = 0  # as many, chosen by measurement once the run starts (``full_layers`` then)
+
+    @property
+    def full_count(self) -> int:
+        return len(self.full_layers) or self.retrieval_layers
 
     @property
     def hybrid_layers(self) -> int:
-        return self.num_layers - len(self.full_layers)
+        return self.num_layers - self.full_count
 
     @property
     def shape(self) -> HybridShape:
@@ -74,7 +79,7 @@ class LinearPlan:
     def cache_values(self, context: int) -> int:
         """Cached values at ``context`` tokens, all layers: the hybrid layers' fixed-size caches and the full
         layers' growing ones."""
-        return self.hybrid_layers * self.state_values(context) + len(self.full_layers) * self.original_values(context)
+        return self.hybrid_layers * self.state_values(context) + self.full_count * self.original_values(context)
 
     def cache_ratio(self, context: int) -> float:
         """The cache at ``context`` tokens against the original's, all layers."""
@@ -82,9 +87,12 @@ class LinearPlan:
 
     def full_text(self) -> str:
         """What the plan keeps of softmax attention over the whole context, or nothing."""
-        if not self.full_layers:
-            return ""
-        return f"; layers {','.join(map(str, self.full_layers))} keep softmax attention over the whole context"
+        if self.full_layers:
+            return f"; layers {','.join(map(str, self.full_layers))} keep softmax attention over the whole context"
+        if self.retrieval_layers:
+            return (f"; the {self.retrieval_layers} layers that copy most from far back (measured) keep softmax "
+                    "attention over the whole context")
+        return ""
 
     def state_values(self, context: int) -> int:
         """Cached values per layer at ``context`` tokens: the window's and the sinks' keys and values, the
@@ -110,7 +118,8 @@ def plan_linear(anatomy: AttentionAnatomy, settings: LinearSettings) -> LinearPl
         raise UserError(f"--retrieval-layers {settings.retrieval_layers}: the model has {anatomy.num_layers} layers")
     return LinearPlan(settings.window, settings.feature_dim or anatomy.head_dim, anatomy.num_layers,
                       anatomy.num_heads, anatomy.num_kv_heads, anatomy.head_dim, settings.sinks, settings.feature_map,
-                      settings.decays, settings.reads_before_rope, tuple(sorted(set(settings.full_layers))))
+                      settings.decays, settings.reads_before_rope, tuple(sorted(set(settings.full_layers))),
+                      settings.retrieval_layers)
 
 
 @dataclass
@@ -153,7 +162,7 @@ def copying_line(report: LinearReport) -> str:
 
 def cache_figure(plan: LinearPlan) -> dict[str, str]:
     """The card's cache row: per layer where every layer is hybrid, else over all layers."""
-    if not plan.full_layers:
+    if not plan.full_count:
         return {"metric": f"cached values per layer at {STATE_CONTEXT} tokens",
                 "before": f"{plan.original_values(STATE_CONTEXT):,}",
                 "after": f"{plan.state_values(STATE_CONTEXT):,} (x{plan.cache_ratio(STATE_CONTEXT):.3f})"}

@@ -86,3 +86,21 @@ def assert_user_error(result, *fragments: str) -> None:
     assert "Traceback" not in result.output
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
+
+
+def streamed_and_loaded(args: list[str], output) -> tuple[dict, dict]:
+    """A surgery command (its arguments with ``--json``) run with ``--stream`` and ``--no-stream`` into
+    ``output / mode``: each mode's JSON record and written tensors; both runs must succeed and say how they ran."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from attnsurg.cli import app
+
+    records, tensors = {}, {}
+    for mode in ("--stream", "--no-stream"):
+        result = CliRunner().invoke(app, [*args, mode, "-o", str(output / mode)])
+        assert result.exit_code == 0, result.output
+        records[mode] = json.loads(result.stdout)
+        tensors[mode] = load_file(output / mode / "model.safetensors")
+    assert records["--stream"]["streamed"] and not records["--no-stream"]["streamed"]
+    return records, tensors

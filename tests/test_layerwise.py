@@ -3,15 +3,12 @@ writes the same tensors (one loop drives both, ``methods.layerwise``)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from attnsurg.cli import app
 from attnsurg.methods import catalog
+
+from helpers import streamed_and_loaded
 
 # Small settings for each method's run on the tiny GQA Llama (64-token windows).
 RUNS = {
@@ -36,13 +33,8 @@ def test_streamed_and_loaded_runs_write_the_same_tensors(method, tiny_checkpoint
     command, *options = RUNS[method]
     common = [command, str(tiny_checkpoints["llama-gqa"]), *options, "--calib-text", str(corpus_file),
               "--calib-tokens", "768", "--calib-seq-len", "64", "--eval-domains", "none", "--json"]
-    records = {}
-    for mode in ("--stream", "--no-stream"):
-        result = CliRunner().invoke(app, [*common, mode, "-o", str(tmp_path / mode)])
-        assert result.exit_code == 0, result.output
-        records[mode] = json.loads(result.stdout)
-    assert records["--stream"]["streamed"] and not records["--no-stream"]["streamed"]
-    streamed, loaded = (load_file(tmp_path / mode / "model.safetensors") for mode in ("--stream", "--no-stream"))
+    _, tensors = streamed_and_loaded(common, tmp_path)
+    streamed, loaded = tensors["--stream"], tensors["--no-stream"]
     assert streamed.keys() == loaded.keys()
     different = [k for k in loaded if not torch.allclose(streamed[k].float(), loaded[k].float(), atol=1e-5, rtol=1e-4)]
     assert not different, different

@@ -18,7 +18,7 @@ from attnsurg.modeling import modeling_attnsurg
 from attnsurg.requests import COMMAND_CALIBRATION
 
 from conftest import assert_streamed_like_loaded, build_tiny, greedy_decode_matches_recomputation
-from helpers import VOCAB, held_out, logit_error, remote_code_matches_attnsurg
+from helpers import VOCAB, held_out, logit_error, remote_code_matches_attnsurg, streamed_and_loaded
 
 
 def windows(n: int = 8, length: int = 48, seed: int = 1) -> torch.Tensor:
@@ -291,20 +291,13 @@ def test_an_unknown_feature_map_is_one_line(tiny_checkpoints, tmp_path):
 
 
 def test_streamed_writes_the_loaded_conversion(tiny_checkpoints, corpus_file, tmp_path):
-    from safetensors.torch import load_file
-
     common = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "8", "--transfer-steps", "20",
               "--calib-text", str(corpus_file), "--calib-tokens", "1024", "--calib-seq-len", "64", "--eval-tokens", "128",
               "--eval-domains", "none", "--json"]
-    records = {}
-    for mode in ("--stream", "--no-stream"):
-        result = CliRunner().invoke(app, [*common, mode, "-o", str(tmp_path / mode)])
-        assert result.exit_code == 0, result.output
-        records[mode] = json.loads(result.stdout)
-    assert records["--stream"]["streamed"] and not records["--no-stream"]["streamed"]
+    records, tensors = streamed_and_loaded(common, tmp_path)
     for a, b in zip(records["--stream"]["layer_errors"], records["--no-stream"]["layer_errors"], strict=True):
         assert a == pytest.approx(b, rel=1e-4)
-    streamed, loaded = (load_file(tmp_path / mode / "model.safetensors") for mode in ("--stream", "--no-stream"))
+    streamed, loaded = tensors["--stream"], tensors["--no-stream"]
     assert streamed.keys() == loaded.keys()
     assert all(torch.allclose(streamed[k], loaded[k], atol=1e-5) for k in loaded)
     assert_streamed_like_loaded(tmp_path / "--no-stream", tmp_path / "--stream")
@@ -372,16 +365,12 @@ def test_full_layers_keep_softmax_attention_and_every_layer_full_reproduces_the_
 
 
 def test_full_layers_stream_to_the_checkpoint_a_whole_load_writes(tiny_checkpoints, corpus_file, tmp_path):
-    from safetensors.torch import load_file
-
     common = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "8", "--transfer-steps", "5",
               "--full-layers", "1", "--calib-text", str(corpus_file), "--calib-tokens", "768", "--calib-seq-len", "64",
               "--eval-domains", "none", "--json"]
-    for mode in ("--stream", "--no-stream"):
-        result = CliRunner().invoke(app, [*common, mode, "-o", str(tmp_path / mode)])
-        assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["plan"]["full_layers"] == [1]
-    streamed, loaded = (load_file(tmp_path / mode / "model.safetensors") for mode in ("--stream", "--no-stream"))
+    records, tensors = streamed_and_loaded(common, tmp_path)
+    assert all(record["plan"]["full_layers"] == [1] for record in records.values())
+    streamed, loaded = tensors["--stream"], tensors["--no-stream"]
     assert streamed.keys() == loaded.keys() and not any(".layers.1.self_attn.feature" in k for k in loaded)
     assert any(".layers.0.self_attn.feature" in k for k in loaded)
     assert all(torch.allclose(streamed[k], loaded[k], atol=1e-5) for k in loaded)

@@ -9,6 +9,8 @@ import torch
 from typer.testing import CliRunner
 
 from attnsurg.cli import app
+
+from helpers import streamed_and_loaded
 from attnsurg.heads import attention_probabilities
 from attnsurg.methods.linear.retrieval import (PROBE_RUNS, PROBE_SEGMENT, copy_attention, induction_probe, most_copying,
                                            second_copy_probabilities)
@@ -51,11 +53,8 @@ def test_the_command_keeps_the_layers_it_measured_streamed_or_loaded(tiny_checkp
     common = ["convert", str(tiny_checkpoints["llama-gqa"]), "--to", "linear", "--window", "8", "--transfer-steps", "3",
               "--retrieval-layers", "1", "--calib-text", str(corpus_file), "--calib-tokens", "768", "--calib-seq-len", "64",
               "--eval-domains", "none", "--json"]
-    plans = {}
-    for mode in ("--stream", "--no-stream"):
-        result = CliRunner().invoke(app, [*common, mode, "-o", str(tmp_path / mode)])
-        assert result.exit_code == 0, result.output
-        plans[mode] = json.loads(result.stdout)["plan"]
+    records, _ = streamed_and_loaded(common, tmp_path)
+    plans = {mode: record["plan"] for mode, record in records.items()}
     copying = plans["--stream"]["copying"]
     assert len(copying) == 2 and plans["--stream"]["full_layers"] == [max(range(2), key=lambda i: copying[i])]
     assert plans["--no-stream"]["full_layers"] == plans["--stream"]["full_layers"]
